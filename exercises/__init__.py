@@ -1,0 +1,1 @@
+"""Your answers to the course's exercises. Each stub says its task; `make grade` checks them."""

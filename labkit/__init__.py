@@ -1,0 +1,82 @@
+"""labkit: a small, complete LLM inference engine, built one idea at a time.
+
+    import labkit
+    out = labkit.generate(["The capital of France is"], labkit.SamplingParams(max_new_tokens=8))
+    print(out[0].text)
+"""
+
+from __future__ import annotations
+
+from labkit.engine import Completion, Engine
+from labkit.sampling import SamplingParams
+from labkit.scheduler import RequestError
+
+__version__ = "0.1.0"
+__all__ = ["Completion", "Engine", "RequestError", "SamplingParams", "generate", "get_engine"]
+
+_ENGINES: dict[tuple, Engine] = {}
+
+
+def get_engine(model: str = "smollm2-135m", **engine_kwargs) -> Engine:
+    """A cached engine for a model name or path (loaded once per process)."""
+    key = (model, tuple(sorted(engine_kwargs.items())))
+    if key not in _ENGINES:
+        from labkit.loading import load_model
+        m, tok = load_model(model)
+        _ENGINES[key] = Engine(m, tok, **engine_kwargs)
+    return _ENGINES[key]
+
+
+def generate(prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
+             model: str = "smollm2-135m", engine: Engine | None = None,
+             decoder: str = "blocking", chat: bool = False, on_text=None,
+             constraints=None) -> list[Completion]:
+    """Generate for each prompt (text or token ids); results in input order.
+
+    `params`: one SamplingParams for all, or one per prompt. `on_text(index, text)` receives
+    text as it is detokenized. `constraints`: None, or one constraint spec per prompt (dicts as
+    in `labkit.constraints.parse_constraint`, or None).
+    """
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise RequestError("no prompts given")
+    engine = engine or get_engine(model)
+    params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(
+        prompts)
+    if len(params_list) != len(prompts):
+        raise RequestError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+    specs = constraints or [None] * len(prompts)
+    if len(specs) != len(prompts):
+        raise RequestError(f"{len(specs)} constraints for {len(prompts)} prompts")
+    # validate and encode everything before queueing anything: a bad request loses nothing
+    encoded = []
+    for i, (prompt, spec) in enumerate(zip(prompts, specs)):
+        if isinstance(prompt, str):
+            if engine.tokenizer is None:
+                raise RequestError("this engine has no tokenizer: pass token ids")
+            if not prompt.strip() and not chat:
+                raise RequestError(f"prompt {i} is empty")
+            ids = engine.tokenizer.encode(prompt, chat=chat)
+        else:
+            ids = list(prompt)
+        engine.scheduler.check_request(ids, params_list[i].max_new_tokens) if ids else None
+        if not ids:
+            raise RequestError(f"prompt {i} is empty")
+        constraint = None
+        if spec is not None:
+            from labkit.constraints import Vocab, parse_constraint
+            constraint = parse_constraint(spec, Vocab.from_tokenizer(engine.tokenizer.hf))
+        encoded.append((ids, constraint))
+    index_of = {}
+    for i, ((ids, constraint), p) in enumerate(zip(encoded, params_list)):
+        index_of[engine.submit(ids, p, constraint=constraint)] = i
+    if on_text is not None:
+        engine.on_text = lambda rid, text: on_text(index_of[rid], text) if rid in index_of \
+            else None
+    try:
+        engine.run(decoder)
+    finally:
+        engine.on_text = None
+    return [engine.completion(rid, i, prompts[i] if isinstance(prompts[i], str) else None)
+            for rid, i in index_of.items()]

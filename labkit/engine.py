@@ -1,0 +1,231 @@
+"""The engine: requests in, completions out; the step pieces every decoder shares.
+
+An `Engine` holds one model on one device with its scheduler and tokenizer. The decoders
+(`decode_blocking`, `decode_pipelined`) are loops over the same four pieces defined here:
+
+- `plan_prefill(seqs)` / `plan_decode(seqs)`: what the next launch computes;
+- `launch(launch)`: count the step in each sequence's `inflight_refs` and hand it to the device;
+- `allowed(launch)`: per-row constrained-decoding masks, from each sequence's state *now*;
+- `commit(launch, tokens)`: append tokens, detokenize, check stop conditions, release.
+
+`labkit.generate(...)` is the one-call front door.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from labkit.device import Device, InProcessDevice
+from labkit.paged_kv import BlockAllocator
+from labkit.runner import ModelRunner, StepPlan
+from labkit.sampling import SamplingParams
+from labkit.scheduler import RequestError, Scheduler
+from labkit.sequence import FinishReason, Sequence
+
+TextCallback = Callable[[int, str], None]  # (request index, newly decoded text)
+
+
+@dataclass
+class Completion:
+    """The result of one request."""
+
+    index: int
+    prompt: str | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    ttft_s: float  # arrival to first token
+    token_times_s: list[float]  # arrival to each token
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        """Gaps between consecutive tokens."""
+        t = self.token_times_s
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+@dataclass
+class Launch:
+    """A launched step: its plan and the sequences of its rows (host side only)."""
+
+    plan: StepPlan
+    seqs: list[Sequence]
+    slot: int = 0
+    launched_s: float = field(default_factory=time.perf_counter)
+
+
+class Engine:
+    """One model, one device, a scheduler, a tokenizer."""
+
+    def __init__(self, model, tokenizer=None, *, kv_tokens: int = 16384, block_size: int = 16,
+                 max_seqs: int = 64, cache: str = "paged", num_adapter_slots: int = 4,
+                 device: Device | None = None):
+        num_blocks = max(1, kv_tokens // block_size)
+        self.model, self.tokenizer = model, tokenizer
+        self.runner = ModelRunner(model, num_blocks, block_size, max_seqs, cache)
+        self.device = device or InProcessDevice(self.runner)
+        self.scheduler = Scheduler(BlockAllocator(num_blocks), block_size, max_seqs,
+                                   self.runner.max_seq_len, num_adapter_slots)
+        self.eos_id = tokenizer.eos_id if tokenizer is not None else None
+        self.seqs: dict[int, Sequence] = {}
+        self._next_id = 0
+        self.zombie_rows = 0
+        self.steps = 0
+        self.on_text: TextCallback | None = None
+        self.on_step: Callable[[Engine], None] | None = None  # called between steps
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+               adapter: int | None = None, constraint=None) -> int:
+        """Queue a request; returns its id. Raises RequestError if it can never run."""
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        max_new = self.scheduler.check_request(prompt_ids, params.max_new_tokens)
+        seq = Sequence(self._next_id, prompt_ids, params, max_new, adapter=adapter,
+                       constraint=constraint)
+        if constraint is not None:
+            seq.constraint_state = constraint.start()
+        if self.tokenizer is not None:
+            seq.detok = self.tokenizer.detokenizer()
+        self.scheduler.add(seq)
+        self.seqs[seq.request_id] = seq
+        self._next_id += 1
+        return seq.request_id
+
+    def cancel(self, request_id: int) -> bool:
+        """Cancel a request at any moment; False if it had already finished."""
+        if request_id not in self.seqs:
+            raise KeyError(f"cancel: no request with id {request_id} (known ids: "
+                           f"0..{self._next_id - 1})")
+        seq = self.seqs[request_id]
+        if seq.finalized:
+            return False
+        self.scheduler.finalize(seq, FinishReason.CANCELLED)
+        return True
+
+    # -- the step pieces -----------------------------------------------------------------------
+
+    def plan_prefill(self, seqs: list[Sequence]) -> Launch:
+        """A launch that runs the whole prompt of each newly admitted sequence."""
+        plan = StepPlan(self.steps, "prefill", [s.row for s in seqs],
+                        [len(s.prompt_ids) for s in seqs], [0] * len(seqs),
+                        [s.block_table for s in seqs],
+                        [t for s in seqs for t in s.prompt_ids], [s.params for s in seqs])
+        return Launch(plan, seqs)
+
+    def plan_decode(self, seqs: list[Sequence], pending: int = 0) -> Launch:
+        """A launch that feeds each sequence its last token (read on the device).
+
+        `pending`: steps launched for these sequences whose tokens are not committed yet
+        (0 in the blocking loop, 1 in the pipelined one): they advance the position too.
+        """
+        starts = [s.num_tokens - 1 + pending for s in seqs]
+        plan = StepPlan(self.steps, "decode", [s.row for s in seqs], [1] * len(seqs), starts,
+                        [s.block_table for s in seqs], None, [s.params for s in seqs])
+        return Launch(plan, seqs)
+
+    def launch(self, launch: Launch, slot: int) -> None:
+        """Hand a step to the device; every sequence in it gains an in-flight reference."""
+        for s in launch.seqs:
+            assert not s.released, f"request {s.request_id} launched after release"
+            s.inflight_refs += 1
+        launch.slot = slot
+        launch.launched_s = time.perf_counter()
+        self.device.launch_forward(slot, launch.plan)
+        self.steps += 1
+        self.scheduler.step = self.steps
+
+    def allowed(self, launch: Launch) -> dict[int, torch.Tensor] | None:
+        """Masks for constrained rows, from each sequence's constraint state now."""
+        masks = {}
+        for i, s in enumerate(launch.seqs):
+            if s.constraint is not None and not s.finalized:
+                masks[i] = s.constraint.mask(s.constraint_state)
+        return masks or None
+
+    def finish_sampling(self, launch: Launch) -> None:
+        """Masks, sample, start the device-to-host copy of the launch's tokens."""
+        self.device.launch_sample(launch.slot, launch.plan, self.allowed(launch))
+        self.device.launch_copy(launch.slot)
+
+    def commit(self, launch: Launch, tokens: list[int]) -> None:
+        """Apply a step's tokens to its sequences; zombie rows are skipped and counted."""
+        now = time.perf_counter()
+        sched = self.scheduler
+        for seq, tok in zip(launch.seqs, tokens):
+            seq.inflight_refs -= 1
+            if seq.finalized:  # finished at an earlier commit, still in this step: a zombie
+                seq.zombie_rows += 1
+                self.zombie_rows += 1
+                sched.release_if_done(seq)
+                continue
+            seq.output_ids.append(tok)
+            seq.token_times_s.append(now - seq.arrival_s)
+            if seq.first_token_s is None:
+                seq.first_token_s = now - seq.arrival_s
+            reason = self._stop_reason(seq, tok)
+            if seq.detok is not None:
+                piece = seq.detok.push(tok) if tok != self.eos_id else ""
+                if reason is not None:
+                    piece += seq.detok.flush()
+                seq.text += piece
+                if piece and self.on_text is not None:
+                    self.on_text(seq.request_id, piece)
+            if reason is not None:
+                sched.finalize(seq, reason)
+            sched.release_if_done(seq)
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+        if seq.constraint is not None:
+            seq.constraint_state = seq.constraint.advance(seq.constraint_state, tok)
+            if seq.constraint.is_done(seq.constraint_state):
+                return FinishReason.STOP
+        if not seq.params.ignore_eos and (tok == self.eos_id or tok in seq.params.stop_ids):
+            return FinishReason.STOP
+        if len(seq.output_ids) >= seq.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def between_steps(self) -> None:
+        """Let a caller submit or cancel between steps (tests, streaming front ends)."""
+        if self.on_step is not None:
+            self.on_step(self)
+
+    def run(self, decoder: str = "blocking") -> None:
+        """Run the chosen decoder until every request has finished."""
+        if decoder == "blocking":
+            from labkit.decode_blocking import run_blocking
+            run_blocking(self)
+        elif decoder == "pipelined":
+            from labkit.decode_pipelined import run_pipelined
+            run_pipelined(self)
+        else:
+            raise ValueError(f"decoder must be 'blocking' or 'pipelined', got {decoder!r}")
+
+    def completion(self, request_id: int, index: int | None = None,
+                   prompt: str | None = None) -> Completion:
+        """The finished request's result."""
+        s = self.seqs[request_id]
+        assert s.finalized, f"request {request_id} has not finished"
+        return Completion(request_id if index is None else index, prompt, list(s.prompt_ids),
+                          list(s.output_ids), s.text, s.finish_reason.value,
+                          s.first_token_s if s.first_token_s is not None else float("nan"),
+                          list(s.token_times_s))
+
+    def check_all_released(self) -> None:
+        """Assert every page, row and adapter slot is back (after a run)."""
+        sched = self.scheduler
+        assert sched.idle(), f"{len(sched.running)} running, {len(sched.waiting)} waiting"
+        a = sched.allocator
+        assert a.num_free == a.num_blocks, f"{a.num_blocks - a.num_free} KV pages still held"
+        assert sched.rows.num_free == sched.rows.size, "device rows still held"
+        assert sched.adapters.num_free == sched.adapters.size, "adapter slots still held"

@@ -1,0 +1,212 @@
+"""A Llama-family decoder, written to be read.
+
+One `ModelConfig` describes the architecture (RMSNorm, rotary position embeddings, grouped-query
+attention, a SwiGLU MLP, a tied or untied output head, optional q/k/v bias as in Qwen2). The
+model runs a *packed ragged batch*: the new tokens of every sequence are laid end to end in one
+flat tensor, each with its own explicit position, exactly as serving engines do. Attention is
+delegated to a backend object (`labkit.attention`) which owns the KV cache; the model itself
+knows nothing about scheduling, pages or sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder; validates itself."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int = 2048  # the context length the model was trained for
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    attention_bias: bool = False  # Qwen2 puts a bias on q, k and v
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                      "num_heads", "num_kv_heads", "head_dim", "max_position"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"ModelConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}): each KV head serves a whole group of query heads")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def q_per_kv(self) -> int:
+        """Query heads sharing one KV head (the GQA group size)."""
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count, term by term (what a decode step must read from memory)."""
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = d * self.num_heads * self.head_dim
+        kv = 2 * d * self.num_kv_heads * self.head_dim
+        o = self.num_heads * self.head_dim * d
+        bias = ((self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+                if self.attention_bias else 0)
+        mlp = 3 * d * f  # gate, up, down
+        norms = 2 * d
+        per_layer = q + kv + o + bias + mlp + norms
+        emb = v * d if include_embedding else 0
+        head = 0 if self.tie_embeddings else v * d
+        return self.num_layers * per_layer + d + emb + head
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
+        """KV cache bytes one token occupies: K and V, every layer, every KV head."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
+
+    def with_(self, **changes) -> ModelConfig:
+        """A copy with some fields changed (the presets are frozen)."""
+        return replace(self, **changes)
+
+    @staticmethod
+    def smollm2_135m() -> ModelConfig:
+        """SmolLM2-135M(-Instruct): the course's default model, 30 layers, GQA 9 heads / 3 KV."""
+        return ModelConfig(
+            name="smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position=8192,
+            rope_theta=100000.0, rms_norm_eps=1e-5, tie_embeddings=True)
+
+    @staticmethod
+    def tiny(vocab_size: int = 512) -> ModelConfig:
+        """A random tiny model for unit tests: 2 layers, GQA 4 heads / 2 KV."""
+        return ModelConfig(
+            name="tiny", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position=1024,
+            rope_theta=10000.0, rms_norm_eps=1e-5, tie_embeddings=True)
+
+
+PRESETS = {"smollm2-135m": ModelConfig.smollm2_135m, "tiny": ModelConfig.tiny}
+
+
+class Attention(Protocol):
+    """What the model needs from an attention backend (see labkit.attention)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> torch.Tensor:
+        """Store k, v for the new tokens, attend q over each sequence's context; [T, H, D]."""
+        ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in fp32."""
+    # x: [..., d]; weight: [d]
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x32 * inv_rms).to(x.dtype) * weight
+
+
+def rope_tables(head_dim: int, theta: float, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles for each position: two [T, head_dim] tensors."""
+    # frequency i rotates the pair (i, i + head_dim/2) by position * theta^(-2i/head_dim)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                              device=positions.device) / head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    angles = torch.cat([angles, angles], dim=-1)  # [T, D]: the "rotate half" layout
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head's pairs (i, i + D/2) by the position's angle."""
+    # x: [T, H, D]; cos, sin: [T, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm SwiGLU block, both residual."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.cfg, self.layer = cfg, layer
+        self.input_norm = nn.Parameter(torch.ones(d))
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+        self.post_attn_norm = nn.Parameter(torch.ones(d))
+        self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn: Attention) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        # x: [T, d]
+        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        q = self.q_proj(h).view(t, cfg.num_heads, cfg.head_dim)  # q: [T, H, D]
+        k = self.k_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)  # k: [T, Hkv, D]
+        v = self.v_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)  # v: [T, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attn.attend(self.layer, q, k, v)  # o: [T, H, D]
+        x = x + self.o_proj(o.reshape(t, cfg.num_heads * cfg.head_dim))
+        h = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack: embed, N layers, final norm, output head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.final_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The [V, d] output projection (the embedding itself when tied)."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
+                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the packed tokens (only `logit_rows` of them, if given): [R, V]."""
+        # input_ids, positions: [T]; logit_rows: [R] indices into T (usually each sequence's
+        # last token: the others' logits are never sampled, and the head is the largest matmul)
+        x = self.embed(input_ids)  # x: [T, d]
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        if logit_rows is not None:
+            x = x[logit_rows]
+        x = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+        return x @ self.head_weight.t()  # [R, V]
+
+
+def init_random(model: LlamaModel, seed: int = 0) -> LlamaModel:
+    """Fill a model with small seeded random weights (for tests and the tiny preset)."""
+    gen = torch.Generator().manual_seed(seed)
+    std = 1.0 / math.sqrt(model.cfg.hidden_size)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    return model

@@ -1,0 +1,154 @@
+"""The KV cache, two ways: a paged pool with block tables, and a contiguous cache to compare.
+
+A decode step reads every earlier token's keys and values, so they are kept ("the KV cache").
+The contiguous cache gives each sequence a slab of `max_len` slots up front: simple, but a
+sequence that stops early wastes the rest. PagedAttention cuts the cache into fixed-size pages
+(blocks); a sequence owns a *block table*, the list of pages holding its tokens in order, and
+takes pages from a shared pool only as it needs them, like virtual memory.
+
+Both caches store K and V per layer in one flat tensor of *slots* (a slot holds one token's
+keys or values for every KV head). The only difference between them is the address of token
+`pos` of a sequence: `page = table[pos // block_size]; slot = page * block_size + pos %
+block_size` when paged, `slot = row * max_len + pos` when contiguous. Attention gathers by slot,
+so the same attention code runs on both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from labkit.model import ModelConfig
+
+
+class KVPoolExhausted(RuntimeError):
+    """Not enough free pages for a request right now (it should wait, not crash)."""
+
+
+class BlockAllocator:
+    """Owns page ids: a free list and a reference count per page."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"a KV pool needs at least one page, got num_blocks={num_blocks}")
+        self.num_blocks = num_blocks
+        self.refcount = [0] * num_blocks
+        # pop() takes from the end: hand out low page ids first, which reads better in demos
+        self._free = list(range(num_blocks - 1, -1, -1))
+        # an optional hook the pipelined decoder's tests use to prove no page is freed while a
+        # launched step still references its sequence
+        self.on_free: Callable[[int], None] | None = None
+
+    @property
+    def num_free(self) -> int:
+        """Pages not owned by anybody."""
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free pages (refcount 1 each), or raise KVPoolExhausted taking nothing."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            raise KVPoolExhausted(f"asked for {n} KV pages, {len(self._free)} of "
+                                  f"{self.num_blocks} are free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def share(self, pages: Sequence[int]) -> None:
+        """Add a reference to pages already owned (prefix sharing, forks)."""
+        for p in pages:
+            self._check_live(p, "shared")
+            self.refcount[p] += 1
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Drop one reference to each page; a page returns to the free list at zero."""
+        for p in pages:
+            self._check_live(p, "freed")
+            if self.on_free is not None:
+                self.on_free(p)
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self._free.append(p)
+
+    def check_writable(self, pages: Sequence[int]) -> None:
+        """Raise if any page is free: writing it would corrupt whoever gets it next."""
+        for p in pages:
+            self._check_live(p, "written")
+
+    def _check_live(self, page: int, action: str) -> None:
+        if not 0 <= page < self.num_blocks:
+            raise IndexError(f"KV page {page} {action}, but the pool has pages "
+                             f"0..{self.num_blocks - 1}")
+        if self.refcount[page] == 0:
+            raise RuntimeError(f"KV page {page} {action} while free (double free, or a "
+                               "use after free: check who still holds this block table)")
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Pages to hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+class KVStore:
+    """K and V for every layer as flat slot arrays: `k[layer]: [num_slots, Hkv, D]`."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # k: [L, S, Hkv, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # v: [L, S, Hkv, D]
+        self.num_slots = num_slots
+
+    def nbytes(self) -> int:
+        """Bytes held by K and V together."""
+        return self.k.numel() * self.k.element_size() * 2
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the new tokens' k, v ([T, Hkv, D]) at their slots ([T])."""
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+
+class PagedKVCache(KVStore):
+    """The paged pool: per layer `[num_blocks, block_size, Hkv, D]`, viewed as flat slots."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        super().__init__(cfg, num_blocks * block_size, dtype, device)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer's K and V pools as `[num_blocks, block_size, Hkv, D]` views."""
+        shape = (self.num_blocks, self.block_size, *self.k.shape[2:])
+        return self.k[layer].view(shape), self.v[layer].view(shape)
+
+    def slot(self, block_table: Sequence[int], pos: int) -> int:
+        """Flat slot of token `pos` of a sequence with this block table."""
+        return block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def slots(self, block_table: Sequence[int], start: int, end: int) -> list[int]:
+        """Flat slots of tokens start..end-1 of a sequence."""
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+class ContiguousKVCache(KVStore):
+    """One slab of `max_len` slots per sequence row, reserved up front (for comparison)."""
+
+    def __init__(self, cfg: ModelConfig, max_seqs: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__(cfg, max_seqs * max_len, dtype, device)
+        self.max_seqs, self.max_len = max_seqs, max_len
+
+    def slots(self, row: int, start: int, end: int) -> list[int]:
+        """Flat slots of tokens start..end-1 of the sequence in `row`."""
+        if end > self.max_len:
+            raise IndexError(f"position {end - 1} does not fit a contiguous row of "
+                             f"{self.max_len} slots")
+        base = row * self.max_len
+        return list(range(base + start, base + end))

@@ -1,0 +1,138 @@
+"""Choosing the next token, on the device, reproducibly.
+
+`SamplingParams` says how a request wants its tokens chosen. `sample()` turns a batch of logits
+into one token per row without leaving the device: greedy rows take the argmax; sampled rows are
+scaled by their temperature, cut by top-k and top-p, and drawn with the Gumbel-max trick,
+`argmax(logits + Gumbel noise)`, which samples exactly from softmax(logits).
+
+The noise is not drawn from a global generator. It is a hash of (request seed, token index,
+vocabulary id), so a request's tokens depend only on its own seed and its own history: the same
+request gives the same tokens alone or in any batch, in the blocking or the pipelined decoder,
+and on any device. (A shared `torch.Generator` would hand each request whatever numbers were left
+after the rows before it.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen; validates itself."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int | None = None  # None: no top-k cut
+    top_p: float = 1.0  # 1.0: no nucleus cut
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()  # token ids that end the request, besides the model's EOS
+    ignore_eos: bool = False  # benchmarks: run to max_new_tokens whatever is sampled
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got "
+                             f"{self.max_new_tokens!r}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
+
+    @property
+    def greedy(self) -> bool:
+        """True when the argmax is taken (temperature 0)."""
+        return self.temperature == 0
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of one step, as device tensors."""
+
+    temperature: torch.Tensor  # [B] float; 0 = greedy
+    top_k: torch.Tensor  # [B] long; V = no cut
+    top_p: torch.Tensor  # [B] float
+    seed: torch.Tensor  # [B] long
+    counter: torch.Tensor  # [B] long: index of the token being chosen (its output position)
+
+    @staticmethod
+    def build(params: list[SamplingParams], counters: list[int], vocab_size: int,
+              device: torch.device | str = "cpu") -> SamplingBatch:
+        """Pack each row's params and token counter into tensors."""
+        return SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_k=torch.tensor([p.top_k or vocab_size for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            seed=torch.tensor([p.seed for p in params], dtype=torch.long, device=device),
+            counter=torch.tensor(counters, dtype=torch.long, device=device))
+
+    @property
+    def all_greedy(self) -> bool:
+        """No row samples (one host sync; callers cache it when they can)."""
+        return bool((self.temperature == 0).all())
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply) on int64 tensors holding values < 2**32."""
+    # multipliers stay below 2**31 so products fit in int64 without overflow
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform (0, 1) noise [B, V] that depends only on (seed, counter, vocab id)."""
+    # seed, counter: [B] int64
+    key = _mix32((seed & _M32) ^ _mix32((seed >> 32) & _M32))
+    key = _mix32(key ^ _mix32(counter & _M32))  # [B]
+    vocab = torch.arange(vocab_size, device=seed.device, dtype=torch.long)
+    h = _mix32((key[:, None] + vocab[None, :] * 0x9E3779B1) & _M32)  # [B, V]
+    return ((h >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in float32, never 0 or 1
+
+
+def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Set every logit below the row's k-th largest to -inf."""
+    # logits: [B, V]; top_k: [B] in 1..V
+    kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1)[:, None])  # [B, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of top tokens whose probability reaches p; the rest go to -inf."""
+    # logits: [B, V]; top_p: [B] in (0, 1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+    drop_sorted = mass_before >= top_p[:, None]  # the top token has 0 before it: always kept
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | None = None,
+           all_greedy: bool | None = None) -> torch.Tensor:
+    """One token per row: [B] long, on the logits' device."""
+    # logits: [B, V]; allowed: [B, V] bool (constrained decoding) or None
+    logits = logits.float()
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    greedy_tokens = logits.argmax(dim=-1)  # [B]
+    if all_greedy if all_greedy is not None else batch.all_greedy:
+        return greedy_tokens
+    temp = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+    scaled = logits / temp[:, None]
+    scaled = top_k_filter(scaled, batch.top_k)
+    scaled = top_p_filter(scaled, batch.top_p)
+    gumbel = -torch.log(-torch.log(uniform_noise(batch.seed, batch.counter, logits.shape[1])))
+    sampled = (scaled + gumbel).argmax(dim=-1)  # Gumbel-max: a draw from softmax(scaled)
+    return torch.where(batch.temperature > 0, sampled, greedy_tokens)

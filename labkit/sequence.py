@@ -1,0 +1,81 @@
+"""A request's life: its tokens, its status, and the resources it holds.
+
+A `Sequence` is created WAITING, becomes RUNNING when the scheduler admits it (KV pages, a device
+row and possibly an adapter slot reserved), and FINISHED when a commit sees EOS, a stop token,
+the length cap, a completed constraint, or a cancel. Two fields make pipelining safe:
+
+- `finalized`: set the moment a commit decides the sequence is over; nothing is ever appended
+  to it again, and its rows in steps launched before that moment are skipped ("zombies");
+- `inflight_refs`: launched steps that still reference it (+1 at launch, -1 at that step's
+  commit). Its resources go back exactly once, when `finalized and inflight_refs == 0`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from labkit.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence ended."""
+
+    STOP = "stop"  # EOS, a stop token, or a constraint that is complete
+    LENGTH = "length"  # max_new_tokens, or the model's context is full
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # params.max_new_tokens, clipped to what the context can hold
+    adapter: int | None = None  # an adapter (LoRA stand-in) the request asks for, or None
+    constraint: Any = None  # a labkit.constraints.Constraint, or None
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    finalized: bool = False
+    inflight_refs: int = 0
+    released: bool = False  # resources returned (exactly once)
+    block_table: list[int] = field(default_factory=list)
+    row: int | None = None  # the device row holding its last sampled token
+    adapter_slot: int | None = None
+    constraint_state: Any = None
+    text: str = ""
+    detok: Any = None  # incremental detokenizer
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    finished_at_step: int | None = None
+    released_at_step: int | None = None
+    zombie_rows: int = 0  # rows of this sequence skipped at commit because it had finished
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens whose KV the sequence may ever write, including one zombie row."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    @property
+    def can_release(self) -> bool:
+        """The release rule: finalized, no launched step still references it, not yet released."""
+        return self.finalized and self.inflight_refs == 0 and not self.released

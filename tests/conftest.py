@@ -1,0 +1,31 @@
+"""Shared fixtures: seeded tiny models, the real SmolLM2 (loaded once), CUDA skipping."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # so `import exercises` and `from tests import adapters` work
+    sys.path.insert(0, str(ROOT))
+os.chdir(ROOT)
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run scripts/gpu_check.sh on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (model, tokenizer), dequantized once and cached."""
+    from labkit.loading import load_model
+
+    return load_model("smollm2-135m")
