@@ -70,9 +70,10 @@ class ModelRunner:
         else:
             raise ValueError(f"cache must be 'paged' or 'contiguous', got {cache!r}")
         self.cache_kind = cache
-        # the longest sequence one row can hold
-        self.max_seq_len = min(cfg.max_position, num_blocks * block_size if cache == "paged"
-                               else self.cache.max_len)
+        # the longest sequence the engine can hold: the model's context when paged (a
+        # request larger than the pool is refused by the scheduler), a row when contiguous
+        self.max_seq_len = (cfg.max_position if cache == "paged"
+                            else min(cfg.max_position, self.cache.max_len))
         self.last_tokens = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
 
     def _meta(self, plan: StepPlan) -> AttentionMeta:

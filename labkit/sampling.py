@@ -94,8 +94,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform (0, 1) noise [B, V] that depends only on (seed, counter, vocab id)."""
     # seed, counter: [B] int64
-    key = _mix32((seed & _M32) ^ _mix32((seed >> 32) & _M32))
-    key = _mix32(key ^ _mix32(counter & _M32))  # [B]
+    # seed and counter enter through different constants, so (s, c) and (c, s) differ
+    key = _mix32(_mix32((seed & _M32) ^ 0x243F6A88) ^ ((seed >> 32) & _M32))
+    key = _mix32(key ^ _mix32(((counter & _M32) + 0x6A09E667) & _M32))  # [B]
     vocab = torch.arange(vocab_size, device=seed.device, dtype=torch.long)
     h = _mix32((key[:, None] + vocab[None, :] * 0x9E3779B1) & _M32)  # [B, V]
     return ((h >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in float32, never 0 or 1
