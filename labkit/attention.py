@@ -43,14 +43,19 @@ class AttentionMeta:
 
     @staticmethod
     def build(query_lens: torch.Tensor, starts: torch.Tensor, block_tables: torch.Tensor,
-              block_size: int) -> AttentionMeta:
-        """Metadata for B sequences: `query_lens[b]` new tokens after `starts[b]` cached ones."""
+              block_size: int, max_q: int | None = None, max_ctx: int | None = None
+              ) -> AttentionMeta:
+        """Metadata for B sequences: `query_lens[b]` new tokens after `starts[b]` cached ones.
+
+        `max_q`, `max_ctx`: the largest query and context lengths, when the caller knows them
+        (on a GPU, reading them back from device tensors would stall the pipeline).
+        """
         # query_lens, starts: [B]; block_tables: [B, nb] page ids (padded with any page id)
         dev = block_tables.device
         b = query_lens.shape[0]
         ctx_lens = starts + query_lens  # [B]
-        seq_len = int(ctx_lens.max())
-        tq = int(query_lens.max())
+        seq_len = int(ctx_lens.max()) if max_ctx is None else max_ctx
+        tq = int(query_lens.max()) if max_q is None else max_q
         pos = torch.arange(seq_len, device=dev)  # [L]
         # token pos of a sequence lives in page table[pos // block_size] at offset pos % bs
         page_idx = (pos // block_size).clamp(max=block_tables.shape[1] - 1).expand(b, seq_len)

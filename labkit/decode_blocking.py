@@ -15,7 +15,7 @@ def step_blocking(engine: Engine, launch: Launch) -> None:
     """Launch one step and see it all the way through its commit."""
     engine.launch(launch, slot=0)
     engine.finish_sampling(launch)
-    tokens = engine.device.wait_tokens(launch.slot)  # the device idles from here...
+    tokens = engine.wait_tokens(launch)  # the device idles from here...
     engine.commit(launch, tokens)  # ...to the next launch: the bubble
 
 

@@ -18,6 +18,8 @@ device, used by the early notebooks and for debugging.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from labkit.runner import ModelRunner, StepPlan
@@ -59,6 +61,10 @@ class Device:
         """Wait for the slot's copy and return its tokens."""
         raise NotImplementedError
 
+    def spans(self) -> list[tuple[str, str, int, float, float]]:
+        """Device spans recorded since the last call: (lane, op, step, t0, t1)."""
+        return []
+
     def close(self) -> None:
         """Release the device's resources."""
 
@@ -70,19 +76,28 @@ class InProcessDevice(Device):
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self._spans: list[tuple[str, str, int, float, float]] = []
         self._logits: list[torch.Tensor | None] = [None] * NUM_SLOTS
         self._tokens: list[torch.Tensor | None] = [None] * NUM_SLOTS
         self._host: list[list[int] | None] = [None] * NUM_SLOTS
 
     def launch_forward(self, slot: int, plan: StepPlan) -> None:
+        t0 = time.perf_counter()
         self._logits[slot] = self.runner.forward(plan)
+        self._spans.append(("compute", "forward", plan.step, t0, time.perf_counter()))
 
     def launch_sample(self, slot: int, plan: StepPlan,
                       allowed: dict[int, torch.Tensor] | None = None) -> None:
+        t0 = time.perf_counter()
         logits = self._logits[slot]
         mask = allowed_tensor(allowed, plan.batch_size, logits.shape[-1], logits.device)
         self._tokens[slot] = self.runner.sample(plan, logits, mask)
         self._logits[slot] = None
+        self._spans.append(("compute", "sample", plan.step, t0, time.perf_counter()))
+
+    def spans(self) -> list[tuple[str, str, int, float, float]]:
+        out, self._spans = self._spans, []
+        return out
 
     def launch_copy(self, slot: int) -> None:
         self._host[slot] = self._tokens[slot].tolist()
@@ -91,3 +106,237 @@ class InProcessDevice(Device):
         tokens, self._host[slot] = self._host[slot], None
         assert tokens is not None, f"slot {slot}: wait_tokens without a launched copy"
         return tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulated accelerator: a separate process (CPU-only machines)
+# ---------------------------------------------------------------------------------------------
+
+class DeviceError(RuntimeError):
+    """The device failed or died; the host gets this instead of hanging."""
+
+
+def make_device(kind: str, model, num_blocks: int, block_size: int, max_seqs: int,
+                cache: str = "paged") -> Device:
+    """A device by name: "inprocess", "process" (simulated accelerator) or "cuda"."""
+    if kind == "inprocess":
+        return InProcessDevice(ModelRunner(model, num_blocks, block_size, max_seqs, cache))
+    if kind == "process":
+        return ProcessDevice(model, num_blocks, block_size, max_seqs, cache)
+    if kind == "cuda":
+        from labkit.device_cuda import CudaDevice
+        return CudaDevice(model, num_blocks, block_size, max_seqs, cache)
+    raise ValueError(f"device must be 'inprocess', 'process' or 'cuda', got {kind!r}")
+
+
+_LANES = ("compute", "copy")
+_OPS = ("forward", "sample", "copy")
+_TRACE_CAP = 1 << 16  # spans kept per lane (a ring)
+
+
+def _device_main(model, runner_args, threads, compute_rx, copy_rx, copy_done, host_tokens,
+                 trace, trace_n, errors) -> None:
+    """The device process: one thread per stream, each running its commands in order."""
+    import threading
+    import time
+    import traceback
+
+    import numpy as np
+
+    torch.set_num_threads(threads)
+    try:
+        runner = ModelRunner(model, *runner_args)
+    except BaseException:
+        errors.put(traceback.format_exc())
+        for e in copy_done:
+            e.set()
+        return
+    logits: list[torch.Tensor | None] = [None] * NUM_SLOTS
+    tokens: list[torch.Tensor | None] = [None] * NUM_SLOTS
+    sampled = [threading.Event() for _ in range(NUM_SLOTS)]  # the compute stream's events
+    masks: dict[int, torch.Tensor] = {}  # constraint masks, cached by the host's key
+    vocab = model.cfg.vocab_size
+
+    def record(lane: int, op: int, step: int, t0: float) -> None:
+        i = int(trace_n[lane]) % _TRACE_CAP
+        trace[lane, i] = torch.tensor([op, step, t0, time.perf_counter()], dtype=torch.float64)
+        trace_n[lane] += 1
+
+    def fail() -> None:
+        errors.put(traceback.format_exc())
+        for e in copy_done:  # wake the host: it finds the error instead of waiting forever
+            e.set()
+
+    def compute_stream() -> None:
+        try:
+            while (cmd := compute_rx.recv()) is not None:
+                t0 = time.perf_counter()
+                op, slot, plan, allowed = cmd
+                if op == "forward":
+                    logits[slot] = runner.forward(plan)
+                else:
+                    for key, packed in (allowed or {}).values():
+                        if packed is not None:  # first use of this mask: unpack and keep it
+                            bits = np.unpackbits(np.frombuffer(packed, np.uint8))[:vocab]
+                            masks[key] = torch.from_numpy(bits.astype(bool))
+                    rows = {r: masks[key] for r, (key, _) in (allowed or {}).items()}
+                    mask = allowed_tensor(rows, plan.batch_size, vocab, runner.device)
+                    tokens[slot] = runner.sample(plan, logits[slot], mask)
+                    logits[slot] = None
+                    sampled[slot].set()
+                record(0, _OPS.index(op), plan.step, t0)
+        except BaseException:
+            fail()
+
+    def copy_stream() -> None:
+        try:
+            while (cmd := copy_rx.recv()) is not None:
+                slot, step = cmd
+                sampled[slot].wait()  # the copy stream waits on the compute stream's event
+                sampled[slot].clear()
+                t0 = time.perf_counter()
+                n = tokens[slot].shape[0]
+                host_tokens[slot, 0] = n
+                host_tokens[slot, 1:n + 1] = tokens[slot]  # into the shared "pinned" buffer
+                record(1, 2, step, t0)
+                copy_done[slot].set()
+        except BaseException:
+            fail()
+
+    streams = [threading.Thread(target=compute_stream), threading.Thread(target=copy_stream)]
+    for s in streams:
+        s.start()
+    errors.put(None)  # ready
+    for s in streams:
+        s.join()
+
+
+class ProcessDevice(Device):
+    """A simulated accelerator: another OS process owns the weights, the KV pool, last_tokens.
+
+    Launching sends a command down a stream's pipe and returns at once; the device process
+    runs each stream's commands in order in its own thread. Host buffers are shared memory
+    both processes map (the stand-in for pinned memory), events are `multiprocessing.Event`s.
+    A process, not a thread: with pure-Python host work a device thread would share the GIL
+    with the host and the two could not overlap.
+    """
+
+    name = "simulated accelerator (cpu process)"
+    simulated = True
+
+    def __init__(self, model, num_blocks: int, block_size: int, max_seqs: int,
+                 cache: str = "paged", threads: int = 1, start_timeout_s: float = 120.0):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        model.share_memory()  # the device maps the weights; nothing is copied
+        self.vocab_size = model.cfg.vocab_size
+        self.host_tokens = torch.zeros(NUM_SLOTS, max_seqs + 1, dtype=torch.long).share_memory_()
+        self.trace = torch.zeros(2, _TRACE_CAP, 4, dtype=torch.float64).share_memory_()
+        self.trace_n = torch.zeros(2, dtype=torch.long).share_memory_()
+        self.copy_done = [ctx.Event() for _ in range(NUM_SLOTS)]
+        self._errors = ctx.Queue()
+        compute_rx, self._compute = ctx.Pipe(duplex=False)
+        copy_rx, self._copy = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
+            target=_device_main, daemon=True, name="labkit-device",
+            args=(model, (num_blocks, block_size, max_seqs, cache), threads, compute_rx,
+                  copy_rx, self.copy_done, self.host_tokens, self.trace, self.trace_n,
+                  self._errors))
+        self.proc.start()
+        self._mask_keys: dict[int, tuple[int, torch.Tensor]] = {}
+        self._trace_read = [0, 0]
+        self._slot_step = [0] * NUM_SLOTS
+        self._closed = False
+        import queue
+        try:
+            err = self._errors.get(timeout=start_timeout_s)
+        except queue.Empty:
+            self.close()
+            raise DeviceError(f"the device process did not start in {start_timeout_s:.0f} s"
+                              ) from None
+        if err is not None:
+            self.close()
+            raise DeviceError(f"the device process failed to start:\n{err}")
+
+    def _send(self, pipe, cmd) -> None:
+        try:
+            pipe.send(cmd)
+        except (BrokenPipeError, OSError):
+            self._raise_dead()
+
+    def _raise_dead(self) -> None:
+        import queue
+        try:
+            err = self._errors.get_nowait()
+        except queue.Empty:
+            err = None
+        code = self.proc.exitcode
+        raise DeviceError("the simulated device process died"
+                          + (f" (exit code {code})" if code is not None else "")
+                          + (f":\n{err}" if err else "; no step results will arrive"))
+
+    def launch_forward(self, slot: int, plan: StepPlan) -> None:
+        self._send(self._compute, ("forward", slot, plan, None))
+
+    def launch_sample(self, slot: int, plan: StepPlan,
+                      allowed: dict[int, torch.Tensor] | None = None) -> None:
+        packed = None
+        if allowed:
+            packed = {}
+            for row, mask in allowed.items():
+                key = id(mask)
+                if key in self._mask_keys:  # the device has it already
+                    packed[row] = (key, None)
+                else:  # keep the tensor alive so its id stays unique
+                    self._mask_keys[key] = mask
+                    import numpy as np
+                    packed[row] = (key, np.packbits(mask.numpy()).tobytes())
+        self._slot_step[slot] = plan.step
+        self._send(self._compute, ("sample", slot, plan, packed))
+
+    def launch_copy(self, slot: int) -> None:
+        self._send(self._copy, (slot, self._slot_step[slot]))
+
+    def wait_tokens(self, slot: int) -> list[int]:
+        done = self.copy_done[slot]
+        while not done.wait(timeout=0.5):
+            if not self.proc.is_alive():
+                self._raise_dead()
+        if not self._errors.empty():
+            self._raise_dead()
+        done.clear()
+        n = int(self.host_tokens[slot, 0])
+        return self.host_tokens[slot, 1:n + 1].tolist()
+
+    def spans(self) -> list[tuple[str, str, int, float, float]]:
+        """Device spans recorded since the last call: (lane, op, step, t0, t1)."""
+        out = []
+        for lane in range(2):
+            n = int(self.trace_n[lane])
+            start = max(self._trace_read[lane], n - _TRACE_CAP)
+            for i in range(start, n):
+                op, step, t0, t1 = self.trace[lane, i % _TRACE_CAP].tolist()
+                out.append((_LANES[lane], _OPS[int(op)], int(step), t0, t1))
+            self._trace_read[lane] = n
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for pipe in (self._compute, self._copy):
+            try:
+                pipe.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labkit.device import Device, InProcessDevice
+from labkit.device import Device, make_device
 from labkit.paged_kv import BlockAllocator
-from labkit.runner import ModelRunner, StepPlan
+from labkit.runner import StepPlan, max_seq_len
 from labkit.sampling import SamplingParams
 from labkit.scheduler import RequestError, Scheduler
 from labkit.sequence import FinishReason, Sequence
@@ -64,13 +64,13 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, kv_tokens: int = 16384, block_size: int = 16,
                  max_seqs: int = 64, cache: str = "paged", num_adapter_slots: int = 4,
-                 device: Device | None = None):
+                 device: str = "inprocess"):
         num_blocks = max(1, kv_tokens // block_size)
         self.model, self.tokenizer = model, tokenizer
-        self.runner = ModelRunner(model, num_blocks, block_size, max_seqs, cache)
-        self.device = device or InProcessDevice(self.runner)
+        self.device: Device = make_device(device, model, num_blocks, block_size, max_seqs, cache)
         self.scheduler = Scheduler(BlockAllocator(num_blocks), block_size, max_seqs,
-                                   self.runner.max_seq_len, num_adapter_slots)
+                                   max_seq_len(model.cfg, cache, num_blocks, block_size,
+                                               max_seqs), num_adapter_slots)
         self.eos_id = tokenizer.eos_id if tokenizer is not None else None
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
@@ -78,6 +78,7 @@ class Engine:
         self.steps = 0
         self.on_text: TextCallback | None = None
         self.on_step: Callable[[Engine], None] | None = None  # called between steps
+        self.timeline = None  # a labkit.timeline.Timeline while one is recording
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -122,13 +123,14 @@ class Engine:
                         [t for s in seqs for t in s.prompt_ids], [s.params for s in seqs])
         return Launch(plan, seqs)
 
-    def plan_decode(self, seqs: list[Sequence], pending: int = 0) -> Launch:
+    def plan_decode(self, seqs: list[Sequence], pending: list[int] | None = None) -> Launch:
         """A launch that feeds each sequence its last token (read on the device).
 
-        `pending`: steps launched for these sequences whose tokens are not committed yet
-        (0 in the blocking loop, 1 in the pipelined one): they advance the position too.
+        `pending[i]`: launched steps of sequence i whose tokens are not committed yet (always
+        0 in the blocking loop; 0 or 1 in the pipelined one): they advance its position too.
         """
-        starts = [s.num_tokens - 1 + pending for s in seqs]
+        pending = pending or [0] * len(seqs)
+        starts = [s.num_tokens - 1 + p for s, p in zip(seqs, pending)]
         plan = StepPlan(self.steps, "decode", [s.row for s in seqs], [1] * len(seqs), starts,
                         [s.block_table for s in seqs], None, [s.params for s in seqs])
         return Launch(plan, seqs)
@@ -143,6 +145,18 @@ class Engine:
         self.device.launch_forward(slot, launch.plan)
         self.steps += 1
         self.scheduler.step = self.steps
+        self._span("launch", launch, launch.launched_s)
+
+    def wait_tokens(self, launch: Launch) -> list[int]:
+        """Block until the launch's tokens are in its slot's host buffer; return them."""
+        t0 = time.perf_counter()
+        tokens = self.device.wait_tokens(launch.slot)
+        self._span("wait", launch, t0)
+        return tokens
+
+    def _span(self, label: str, launch: Launch, t0: float) -> None:
+        if self.timeline is not None:
+            self.timeline.add("host", label, launch.plan.step, t0, time.perf_counter())
 
     def allowed(self, launch: Launch) -> dict[int, torch.Tensor] | None:
         """Masks for constrained rows, from each sequence's constraint state now."""
@@ -154,12 +168,14 @@ class Engine:
 
     def finish_sampling(self, launch: Launch) -> None:
         """Masks, sample, start the device-to-host copy of the launch's tokens."""
+        t0 = time.perf_counter()
         self.device.launch_sample(launch.slot, launch.plan, self.allowed(launch))
         self.device.launch_copy(launch.slot)
+        self._span("sample", launch, t0)
 
     def commit(self, launch: Launch, tokens: list[int]) -> None:
         """Apply a step's tokens to its sequences; zombie rows are skipped and counted."""
-        now = time.perf_counter()
+        now = t0 = time.perf_counter()
         sched = self.scheduler
         for seq, tok in zip(launch.seqs, tokens):
             seq.inflight_refs -= 1
@@ -183,6 +199,7 @@ class Engine:
             if reason is not None:
                 sched.finalize(seq, reason)
             sched.release_if_done(seq)
+        self._span("commit", launch, t0)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         if seq.constraint is not None:
@@ -220,6 +237,10 @@ class Engine:
                           list(s.output_ids), s.text, s.finish_reason.value,
                           s.first_token_s if s.first_token_s is not None else float("nan"),
                           list(s.token_times_s))
+
+    def close(self) -> None:
+        """Stop the device (the simulated accelerator's process, CUDA streams)."""
+        self.device.close()
 
     def check_all_released(self) -> None:
         """Assert every page, row and adapter slot is back (after a run)."""

@@ -19,6 +19,19 @@ from labkit.paged_kv import ContiguousKVCache, PagedKVCache
 from labkit.sampling import SamplingBatch, SamplingParams, sample
 
 
+def max_seq_len(cfg, cache: str, num_blocks: int, block_size: int, max_seqs: int) -> int:
+    """The longest sequence an engine can hold: the model's context when paged (a request
+    larger than the pool is refused by the scheduler), one row's slab when contiguous."""
+    if cache == "paged":
+        return cfg.max_position
+    return min(cfg.max_position, contiguous_row_len(num_blocks, block_size, max_seqs))
+
+
+def contiguous_row_len(num_blocks: int, block_size: int, max_seqs: int) -> int:
+    """Tokens per row of a contiguous cache holding as much as the paged pool would."""
+    return max(1, num_blocks * block_size // max_seqs)
+
+
 @dataclass
 class StepPlan:
     """What one launch computes, in plain lists (cheap to build, to pickle, to print)."""
@@ -64,39 +77,40 @@ class ModelRunner:
         elif cache == "contiguous":
             # the same memory as the paged pool, cut into one fixed slab per row: the layout
             # paging replaces (every row reserves the longest sequence it might hold)
-            row_len = max(1, num_blocks * block_size // max_seqs)
+            row_len = contiguous_row_len(num_blocks, block_size, max_seqs)
             self.cache = ContiguousKVCache(cfg, max_seqs, row_len, dtype, self.device)
             self.backend = BACKENDS["naive"](self.cache)
         else:
             raise ValueError(f"cache must be 'paged' or 'contiguous', got {cache!r}")
         self.cache_kind = cache
-        # the longest sequence the engine can hold: the model's context when paged (a
-        # request larger than the pool is refused by the scheduler), a row when contiguous
-        self.max_seq_len = (cfg.max_position if cache == "paged"
-                            else min(cfg.max_position, self.cache.max_len))
         self.last_tokens = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
 
+    def to_device(self, values: list) -> torch.Tensor:
+        """A host list as a device tensor, without making the host wait for the device."""
+        if self.device.type == "cuda":  # pinned staging, so the copy is asynchronous
+            return torch.tensor(values, pin_memory=True).to(self.device, non_blocking=True)
+        return torch.tensor(values)
+
     def _meta(self, plan: StepPlan) -> AttentionMeta:
-        dev = self.device
         if self.cache_kind == "contiguous":
-            tables = torch.tensor(plan.rows, device=dev)[:, None]  # one page per row
+            tables = self.to_device(plan.rows)[:, None]  # one page per row
             block_size = self.cache.max_len
         else:
             width = max(len(t) for t in plan.block_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in plan.block_tables],
-                                  device=dev)
+            tables = self.to_device([t + [0] * (width - len(t)) for t in plan.block_tables])
             block_size = self.cache.block_size
-        return AttentionMeta.build(torch.tensor(plan.query_lens, device=dev),
-                                   torch.tensor(plan.starts, device=dev), tables, block_size)
+        max_ctx = max(s + q for s, q in zip(plan.starts, plan.query_lens))
+        return AttentionMeta.build(self.to_device(plan.query_lens), self.to_device(plan.starts),
+                                   tables, block_size, max(plan.query_lens), max_ctx)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run the step's forward; logits of each sequence's last new token: [B, V]."""
         meta = self._meta(plan)
         if plan.tokens is not None:
-            input_ids = torch.tensor(plan.tokens, device=self.device)  # [T]
+            input_ids = self.to_device(plan.tokens)  # [T]
         else:
-            input_ids = self.last_tokens[torch.tensor(plan.rows, device=self.device)]  # [B]
+            input_ids = self.last_tokens[self.to_device(plan.rows)]  # [B] read on the device
         self.backend.begin_step(meta)
         return self.model(input_ids, meta.positions, self.backend, logit_rows=meta.last_rows)
 
@@ -104,8 +118,8 @@ class ModelRunner:
     def sample(self, plan: StepPlan, logits: torch.Tensor,
                allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Choose each row's next token on the device and remember it in last_tokens: [B]."""
-        batch = SamplingBatch.build(plan.params, plan.counters, logits.shape[-1], self.device)
+        batch = SamplingBatch.build(plan.params, plan.counters, logits.shape[-1], self.to_device)
         tokens = sample(logits, batch, allowed,
                         all_greedy=all(p.greedy for p in plan.params))
-        self.last_tokens[torch.tensor(plan.rows, device=self.device)] = tokens
+        self.last_tokens[self.to_device(plan.rows)] = tokens
         return tokens

@@ -63,14 +63,14 @@ class SamplingBatch:
 
     @staticmethod
     def build(params: list[SamplingParams], counters: list[int], vocab_size: int,
-              device: torch.device | str = "cpu") -> SamplingBatch:
-        """Pack each row's params and token counter into tensors."""
+              to_device=torch.tensor) -> SamplingBatch:
+        """Pack each row's params and token counter into tensors (`to_device`: list -> tensor)."""
         return SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in params], device=device),
-            top_k=torch.tensor([p.top_k or vocab_size for p in params], device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
-            seed=torch.tensor([p.seed for p in params], dtype=torch.long, device=device),
-            counter=torch.tensor(counters, dtype=torch.long, device=device))
+            temperature=to_device([float(p.temperature) for p in params]),
+            top_k=to_device([p.top_k or vocab_size for p in params]),
+            top_p=to_device([float(p.top_p) for p in params]),
+            seed=to_device([p.seed for p in params]),
+            counter=to_device(counters))
 
     @property
     def all_greedy(self) -> bool:

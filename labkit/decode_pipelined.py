@@ -1,0 +1,66 @@
+"""The pipelined decode loop: launch step t+1 before committing step t (after Moondream Photon).
+
+In the blocking loop the device idles while the host commits a step. Here each iteration does:
+
+1. **launch t+1** — its forward reads the tokens of step t from the device's `last_tokens`, so it
+   needs nothing from the host and goes straight onto the compute stream;
+2. **commit t** — wait for step t's tokens (copied device-to-host on the copy stream into slot
+   t's host buffer), append them, detokenize, check stop conditions, release what is done;
+3. **finish sampling t+1** — build constrained-decoding masks from the state commit t just
+   produced, sample on the device into slot t+1, and start its copy.
+
+While the host commits t, the device computes t+1: the bubble is filled. Two decode slots
+(ping-pong) hold the per-step buffers, so step t+1 never overwrites what the host still reads
+of step t. A sequence that ends at commit t is already in step t+1: a *zombie*. Its row there is
+skipped at commit, and its KV pages, device row and adapter slot return only when no launched
+step references it (`finalized and inflight_refs == 0`, see labkit/sequence.py). Prefill of
+newly admitted requests is one more launch in the same pipeline, overlapping a commit too.
+"""
+
+from __future__ import annotations
+
+from labkit.device import NUM_SLOTS
+from labkit.engine import Engine, Launch
+
+
+def plan_next(engine: Engine, prev: Launch | None) -> Launch | None:
+    """Step t+1: prefill whoever can be admitted, else decode every unfinished sequence."""
+    sched = engine.scheduler
+    admitted = sched.admit()
+    if admitted:
+        return engine.plan_prefill(admitted)
+    live = sched.live()
+    if not live:
+        return None
+    # sequences in the uncommitted step t are one token further on than their output_ids say
+    pending = set(map(id, prev.seqs)) if prev is not None else set()
+    return engine.plan_decode(live, pending=[1 if id(s) in pending else 0 for s in live])
+
+
+def run_pipelined(engine: Engine) -> None:
+    """Run until every request has finished, one step always in flight."""
+    sched = engine.scheduler
+    occupant: list[Launch | None] = [None] * NUM_SLOTS  # the uncommitted launch in each slot
+    prev: Launch | None = None
+    slot = 0
+    while True:
+        engine.between_steps()
+        if prev is None and sched.idle():
+            return
+        nxt = plan_next(engine, prev)
+        if nxt is not None:  # 1. launch t+1
+            slot = 1 - prev.slot if prev is not None else slot
+            assert occupant[slot] is None, (
+                f"slot {slot} reused by step {nxt.plan.step} while step "
+                f"{occupant[slot].plan.step} is uncommitted")  # ping-pong makes this impossible
+            occupant[slot] = nxt
+            engine.launch(nxt, slot)
+        if prev is not None:  # 2. commit t
+            tokens = engine.wait_tokens(prev)
+            engine.commit(prev, tokens)
+            occupant[prev.slot] = None
+        if nxt is not None:  # 3. finish sampling t+1 with masks from commit t's state
+            engine.finish_sampling(nxt)
+        elif prev is None and sched.waiting:
+            raise RuntimeError("scheduler stuck: requests wait but nothing runs")
+        prev = nxt
