@@ -67,12 +67,19 @@ class AttentionMeta:
         valid_q = j[None, :] < query_lens[:, None]  # [B, Tq]
         first = torch.cumsum(query_lens, 0) - query_lens  # packed index of each first token
         q_index = torch.where(valid_q, first[:, None] + j[None, :], 0)
-        write_slots = ctx_slots.gather(1, q_pos.clamp(max=seq_len - 1))[valid_q]
+        write_slots = ctx_slots.gather(1, q_pos.clamp(max=seq_len - 1))
         mask = (pos[None, None, :] <= q_pos[:, :, None]) & valid_k[:, None, :]  # causal
-        # a padded query row must see something, or softmax over nothing is NaN; it is dropped
-        mask[:, :, 0] |= ~valid_q
-        unpad_index = (torch.arange(b, device=dev)[:, None] * tq + j[None, :])[valid_q]
-        return AttentionMeta(write_slots, q_pos[valid_q], ctx_slots, ctx_lens, query_lens,
+        unpad_index = torch.arange(b, device=dev)[:, None] * tq + j[None, :]
+        if tq == 1:  # decode: every query is real; no boolean indexing (a CUDA graph can't
+            # capture its data-dependent shape)
+            write_slots, q_pos, unpad_index = (write_slots.view(b), q_pos.view(b),
+                                               unpad_index.view(b))
+        else:
+            # a padded query row must see something, or softmax over nothing is NaN (dropped)
+            mask[:, :, 0] |= ~valid_q
+            write_slots, q_pos, unpad_index = (write_slots[valid_q], q_pos[valid_q],
+                                               unpad_index[valid_q])
+        return AttentionMeta(write_slots, q_pos, ctx_slots, ctx_lens, query_lens,
                              q_index, unpad_index, mask, first + query_lens - 1)
 
 

@@ -74,7 +74,10 @@ class Engine:
         self.eos_id = tokenizer.eos_id if tokenizer is not None else None
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
-        self.zombie_rows = 0
+        self.zombie_rows = 0  # rows skipped at commit because their sequence had finished
+        self.decode_rows = 0  # rows launched in decode steps
+        # what-if knob for the cost model: extra pure-Python host work in every commit (s)
+        self.extra_host_work_s = 0.0
         self.steps = 0
         self.on_text: TextCallback | None = None
         self.on_step: Callable[[Engine], None] | None = None  # called between steps
@@ -117,11 +120,14 @@ class Engine:
 
     def plan_prefill(self, seqs: list[Sequence]) -> Launch:
         """A launch that runs the whole prompt of each newly admitted sequence."""
+        t0 = time.perf_counter()
         plan = StepPlan(self.steps, "prefill", [s.row for s in seqs],
                         [len(s.prompt_ids) for s in seqs], [0] * len(seqs),
                         [s.block_table for s in seqs],
                         [t for s in seqs for t in s.prompt_ids], [s.params for s in seqs])
-        return Launch(plan, seqs)
+        launch = Launch(plan, seqs)
+        self._span("plan", launch, t0)
+        return launch
 
     def plan_decode(self, seqs: list[Sequence], pending: list[int] | None = None) -> Launch:
         """A launch that feeds each sequence its last token (read on the device).
@@ -129,11 +135,14 @@ class Engine:
         `pending[i]`: launched steps of sequence i whose tokens are not committed yet (always
         0 in the blocking loop; 0 or 1 in the pipelined one): they advance its position too.
         """
+        t0 = time.perf_counter()
         pending = pending or [0] * len(seqs)
         starts = [s.num_tokens - 1 + p for s, p in zip(seqs, pending)]
         plan = StepPlan(self.steps, "decode", [s.row for s in seqs], [1] * len(seqs), starts,
                         [s.block_table for s in seqs], None, [s.params for s in seqs])
-        return Launch(plan, seqs)
+        launch = Launch(plan, seqs)
+        self._span("plan", launch, t0)
+        return launch
 
     def launch(self, launch: Launch, slot: int) -> None:
         """Hand a step to the device; every sequence in it gains an in-flight reference."""
@@ -144,8 +153,10 @@ class Engine:
         launch.launched_s = time.perf_counter()
         self.device.launch_forward(slot, launch.plan)
         self.steps += 1
+        if launch.plan.kind == "decode":
+            self.decode_rows += launch.plan.batch_size
         self.scheduler.step = self.steps
-        self._span("launch", launch, launch.launched_s)
+        self._span(launch.plan.kind, launch, launch.launched_s)  # "prefill" or "decode" launch
 
     def wait_tokens(self, launch: Launch) -> list[int]:
         """Block until the launch's tokens are in its slot's host buffer; return them."""
@@ -199,6 +210,9 @@ class Engine:
             if reason is not None:
                 sched.finalize(seq, reason)
             sched.release_if_done(seq)
+        if self.extra_host_work_s:  # a labelled what-if, never a headline number
+            while time.perf_counter() - t0 < self.extra_host_work_s:
+                pass
         self._span("commit", launch, t0)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
