@@ -60,13 +60,13 @@ def generate(prompts, params: SamplingParams | list[SamplingParams] | None = Non
             ids = engine.tokenizer.encode(prompt, chat=chat)
         else:
             ids = list(prompt)
-        engine.scheduler.check_request(ids, params_list[i].max_new_tokens) if ids else None
         if not ids:
             raise RequestError(f"prompt {i} is empty")
+        engine.scheduler.check_request(ids, params_list[i].max_new_tokens)
         constraint = None
         if spec is not None:
-            from labkit.constraints import Vocab, parse_constraint
-            constraint = parse_constraint(spec, Vocab.from_tokenizer(engine.tokenizer.hf))
+            from labkit.constraints import parse_constraint
+            constraint = parse_constraint(spec, engine.vocab)
         encoded.append((ids, constraint))
     index_of = {}
     for i, ((ids, constraint), p) in enumerate(zip(encoded, params_list)):

@@ -13,6 +13,7 @@ An `Engine` holds one model on one device with its scheduler and tokenizer. The 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,6 +83,14 @@ class Engine:
         self.on_text: TextCallback | None = None
         self.on_step: Callable[[Engine], None] | None = None  # called between steps
         self.timeline = None  # a labkit.timeline.Timeline while one is recording
+
+    @functools.cached_property
+    def vocab(self):
+        """What each token id decodes to, for constrained decoding (built once, cached)."""
+        from labkit.constraints import Vocab
+        if self.tokenizer is None:
+            raise RequestError("constraints need a tokenizer; this engine has none")
+        return Vocab.from_tokenizer(self.tokenizer, size=self.model.cfg.vocab_size)
 
     # -- requests ------------------------------------------------------------------------------
 

