@@ -102,7 +102,12 @@ class Engine:
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        max_new = self.scheduler.check_request(prompt_ids, params.max_new_tokens)
+        max_new = params.max_new_tokens
+        if constraint is not None:
+            # a constrained answer always runs to completion, so that it always parses: every
+            # token spells at least one character, and EOS may follow the last one
+            max_new = max(max_new, constraint.max_text_len + 1)
+        max_new = self.scheduler.check_request(prompt_ids, max_new)
         seq = Sequence(self._next_id, prompt_ids, params, max_new, adapter=adapter,
                        constraint=constraint)
         if constraint is not None:

@@ -63,7 +63,8 @@ def test_paged_slot_addressing_matches_the_pool_view():
     cache = PagedKVCache(cfg, num_blocks=5, block_size=4)
     table = [3, 0, 4]  # token 5 lives in page 0, offset 1
     slot = cache.slot(table, 5)
-    k_new = torch.randn(1, cfg.num_kv_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    k_new = torch.randn(1, cfg.num_kv_heads, cfg.head_dim, generator=gen)
     cache.write(1, torch.tensor([slot]), k_new, k_new)
     k_pool, _ = cache.pool(1)  # [num_blocks, block_size, Hkv, D]
     assert torch.equal(k_pool[0, 1], k_new[0])
