@@ -9,10 +9,13 @@ right here and, when the answer is wrong, says which part is off.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from labkit.model import ModelConfig
 
 
 class ExerciseNotDone(AssertionError):
@@ -116,3 +119,205 @@ def _grade_top_p(fn: Callable) -> str:
                 "tokens ranked above it is still below p (so the top token is always kept).")
         _close(got[kept_got], want[kept_want], "top_p_filter kept logits", 0, 0)
     return "keeps exactly the nucleus for p in (0.5, 0.9, 1.0)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 01: roofline
+# ---------------------------------------------------------------------------------------------
+
+def _diagnose(got: float, want: float, wrong: dict[str, float], what: str) -> None:
+    """Raise with the hint of the first known mistake that reproduces `got`, if any."""
+    if math.isclose(got, want, rel_tol=1e-9):
+        return
+    for hint, value in wrong.items():
+        if math.isclose(got, value, rel_tol=1e-9) and not math.isclose(value, want, rel_tol=1e-9):
+            raise AssertionError(f"{what}: got {got:.6g}, expected {want:.6g}. {hint}")
+    raise AssertionError(f"{what}: got {got:.6g}, expected {want:.6g}")
+
+
+@exercise("matmul_intensity", "ch01_roofline")
+def _grade_matmul_intensity(fn: Callable) -> str:
+    cases = [(1, 4096, 4096, 2), (256, 4096, 4096, 2), (64, 128, 256, 4), (512, 512, 512, 1)]
+    for m, n, k, b in cases:
+        got = float(fn(m, n, k, b))
+        # the reference: 2 FLOPs per multiply-add, over A, B and C each moved once, in bytes
+        flops, elems = 2 * m * n * k, m * k + k * n + m * n
+        want = flops / (elems * b)
+        _diagnose(got, want, {
+            "Forgot the 2 in 2MNK: a multiply-add is two FLOPs.": want / 2,
+            "Forgot bytes per element: divide by bytes moved, not elements.": flops / elems,
+            "Counted the reads of A and B but not the write of C (M*N elements).":
+                flops / ((m * k + k * n) * b),
+            "Counted only the weights B (K*N); A and C are moved too.": flops / (k * n * b),
+            "That is bytes per FLOP: intensity is FLOPs / bytes.": elems * b / flops,
+        }, f"matmul_intensity({m}, {n}, {k}, {b})")
+    return f"exact on {len(cases)} shapes, from a matvec (I ~ 1) to square matmuls"
+
+
+def _ref_decode_counts(cfg: ModelConfig, batch: int, context_len: int) -> dict[str, float]:
+    """Hand counts of one decode step's FLOPs, term by term."""
+    d, f, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer_weights = d * q + d * kv + d * kv + q * d + 3 * d * f  # q, k, v, o; gate, up, down
+    return {"layers": 2 * batch * n * layer_weights, "head": 2 * batch * d * v,
+            "attention": 4 * batch * n * q * context_len}  # q.k + p.v, every query head
+
+
+@exercise("decode_step_flops", "ch01_roofline")
+def _grade_decode_step_flops(fn: Callable) -> str:
+    for cfg in (ModelConfig.tiny(), ModelConfig.smollm2_135m()):
+        for batch, ctx in ((1, 1), (4, 100), (16, 2048)):
+            got = float(fn(cfg, batch, ctx))
+            t = _ref_decode_counts(cfg, batch, ctx)
+            want = t["layers"] + t["head"] + t["attention"]
+            matmuls = t["layers"] + t["head"]
+            _diagnose(got, want, {
+                "Forgot the 2 per weight: a multiply-add is two FLOPs.": want / 2,
+                "Forgot the 2 per weight in the matmuls (attention is right).":
+                    matmuls / 2 + t["attention"],
+                "Counted the matmuls but not attention over the context.": matmuls,
+                "Forgot the output head (hidden_size x vocab_size per token).":
+                    t["layers"] + t["attention"],
+                "Attention: every query head (num_heads), not only the KV heads, does the "
+                "work.": matmuls + t["attention"] * cfg.num_kv_heads / cfg.num_heads,
+                "Attention has two halves: q.k over the keys and p.v over the values.":
+                    matmuls + t["attention"] / 2,
+                "2 x num_params() counts the norm weights, which do no matmul; count the "
+                "projection, MLP and head weights.": 2 * batch * cfg.num_params() + t["attention"],
+                "Counted one sequence: every term scales with the batch.": want / batch,
+            }, f"decode_step_flops({cfg.name}, batch={batch}, context_len={ctx})")
+    return "exact for tiny and SmolLM2-135M at 3 batch sizes and contexts"
+
+
+@exercise("decode_step_bytes", "ch01_roofline")
+def _grade_decode_step_bytes(fn: Callable) -> str:
+    for cfg in (ModelConfig.tiny(), ModelConfig.smollm2_135m()):
+        for batch, ctx, wb, kvb in ((1, 1, 2, 2), (8, 1000, 2, 2), (32, 512, 0.5, 1),
+                                    (3, 77, 4, 4)):
+            got = float(fn(cfg, batch, ctx, wb, kvb))
+            # the reference: weights once; each sequence reads ctx tokens of K and V and
+            # writes one; a token's K and V hold 2 * layers * kv_heads * head_dim values
+            weights = cfg.num_params() * wb
+            per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kvb
+            kv_read, kv_write = batch * ctx * per_token, batch * per_token
+            want = weights + kv_read + kv_write
+            kv = kv_read + kv_write
+            _diagnose(got, want, {
+                "Counted the weights but not the KV cache: each sequence reads the K and V of "
+                "its whole context.": weights,
+                "Forgot to write the new token's K and V.": weights + kv_read,
+                "Weights are read once per step, not once per sequence: that sharing is what "
+                "batching buys.": batch * weights + kv,
+                "Forgot bytes per element: multiply element counts by weight_bytes / kv_bytes.":
+                    weights / wb + kv / kvb,
+                "Counted K but not V (or V but not K): the cache holds both.": weights + kv / 2,
+                "The cache holds a K and a V in every layer: multiply by num_layers.":
+                    weights + kv / cfg.num_layers,
+                "GQA: the cache holds num_kv_heads heads per layer, not num_heads.":
+                    weights + kv * cfg.num_heads / cfg.num_kv_heads,
+            }, f"decode_step_bytes({cfg.name}, batch={batch}, context_len={ctx}, "
+               f"weight_bytes={wb}, kv_bytes={kvb})")
+    return "exact for tiny and SmolLM2-135M, bf16 to int4 weights, fp32 to fp8 KV"
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 07: the pipelined decoder
+# ---------------------------------------------------------------------------------------------
+
+def _seq(**fields):
+    """A sequence-like object holding only the fields the chapter-07 rules read and write."""
+    from types import SimpleNamespace
+
+    state = {"finalized": False, "inflight_refs": 0, "released": False, "output_ids": [],
+             "zombie_rows": 0}
+    state.update(fields)
+    return SimpleNamespace(**state)
+
+
+@exercise("commit_row", "ch07_pipelined")
+def _grade_commit_row(fn: Callable) -> str:
+    # a zombie: finalized at commit t (EOS = 2 appended), still a row of step t+1
+    z = _seq(finalized=True, inflight_refs=1, output_ids=[11, 12, 2])
+    got = fn(z, 99)
+    if z.output_ids != [11, 12, 2]:
+        raise AssertionError(
+            f"commit_row: a zombie row appended a token (output_ids became {z.output_ids}): a "
+            "sequence finalized at commit t must not grow at commit t+1. When `finalized` is "
+            "set, append nothing (the reference still drops)")
+    if z.inflight_refs != 0:
+        raise AssertionError(
+            f"commit_row: a zombie row left inflight_refs at {z.inflight_refs} (it was 1): the "
+            "committed step no longer references the sequence, zombie or not. Without the "
+            "decrement `finalized and inflight_refs == 0` never holds and its KV pages leak")
+    if z.zombie_rows != 1:
+        raise AssertionError(
+            f"commit_row: a zombie row left zombie_rows at {z.zombie_rows}, expected 1: count "
+            "every skipped row (the zombie tax is measured and reported, not hidden)")
+    if got is not False:
+        raise AssertionError(f"commit_row: returned {got!r} for a skipped zombie row; return "
+                             "False when nothing was appended")
+    # a live row: one launched step is committed
+    s = _seq(inflight_refs=1, output_ids=[11, 12])
+    got = fn(s, 13)
+    if s.output_ids != [11, 12, 13]:
+        raise AssertionError(f"commit_row: a live row made output_ids {s.output_ids}, expected "
+                             "[11, 12, 13]: an unfinished sequence appends the row's token")
+    if s.inflight_refs != 0:
+        raise AssertionError(f"commit_row: a live row left inflight_refs at {s.inflight_refs}, "
+                             "expected 0 (it was 1): every committed row drops one reference")
+    if s.zombie_rows != 0:
+        raise AssertionError("commit_row: a live row was counted as a zombie")
+    if got is not True:
+        raise AssertionError(f"commit_row: returned {got!r} for an appended row, expected True")
+    for case in (z, s):
+        if case.finalized != (case is z):
+            raise AssertionError("commit_row changed `finalized`: deciding that a sequence "
+                                 "ends is the caller's job (after a True), not the row rule's")
+    # the pipelined order: launch t, launch t+1 (refs 2), commit t ends it, commit t+1
+    p = _seq(inflight_refs=2, output_ids=[5])
+    first = fn(p, 2)  # commit t: EOS; the caller sees it and finalizes
+    p.finalized = True
+    second = fn(p, 7)  # commit t+1: the zombie row
+    state = (first, second, p.output_ids, p.inflight_refs, p.zombie_rows)
+    if state != (True, False, [5, 2], 0, 1):
+        raise AssertionError(
+            "commit_row in the pipelined order (launch t, launch t+1, commit t ends the "
+            "sequence, commit t+1): expected (True, False, output_ids [5, 2], inflight_refs 0, "
+            f"zombie_rows 1), got {state}")
+    return "live rows append, zombie rows are skipped and counted, every row drops its ref"
+
+
+@exercise("can_release", "ch07_pipelined")
+def _grade_can_release(fn: Callable) -> str:
+    cases = [  # (finalized, inflight_refs, released, expected, the rule a wrong answer breaks)
+        (True, 1, False, False,
+         "its zombie row is still in flight: that step writes the sequence's KV pages, and a new "
+         "request's prefill could already have been given them"),
+        (True, 0, False, True,
+         "finalized and no launched step references it: release now, or its KV pages leak and "
+         "admission stalls"),
+        (False, 0, False, False,
+         "it is not finalized: it will be launched again and write into pages that are free"),
+        (True, 0, True, False,
+         "it was released already: releasing twice puts the same pages in the free list twice, "
+         "and two requests end up sharing them"),
+        (True, 2, False, False, "two launched steps still reference it"),
+        (False, 1, False, False, "it is running, with a step in flight"),
+        (True, 1, True, False, "it was released already (and is still referenced)"),
+        (False, 0, True, False, "it was released already"),
+    ]
+    for finalized, refs, released, want, rule in cases:
+        s = _seq(finalized=finalized, inflight_refs=refs, released=released)
+        before = dict(vars(s))
+        got = fn(s)
+        if vars(s) != before:
+            raise AssertionError(f"can_release modified the sequence ({before} -> {vars(s)}): "
+                                 "the rule only answers; Scheduler.release_if_done acts on it")
+        if not isinstance(got, bool):
+            raise AssertionError(f"can_release returned {got!r} ({type(got).__name__}); "
+                                 "return a bool")
+        if got != want:
+            raise AssertionError(
+                f"can_release(finalized={finalized}, inflight_refs={refs}, released={released}) "
+                f"returned {got}, expected {want}: {rule}")
+    return f"releases only when finalized, unreferenced and not yet released ({len(cases)} cases)"

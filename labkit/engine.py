@@ -100,8 +100,10 @@ class Engine:
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         vocab = self.model.cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the model's vocabulary "
+                               f"[0, {vocab}) ({self.model.cfg.name})")
         max_new = params.max_new_tokens
         if constraint is not None:
             # a constrained answer always runs to completion, so that it always parses: every

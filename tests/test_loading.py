@@ -18,6 +18,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from labkit import loading
 from labkit.loading import (
     INSTALL_COMMAND,
+    TINY_VOCAB,
     ModelNotInstalled,
     config_from_hf,
     from_hf,
@@ -274,7 +275,7 @@ def test_smollm2_cached_load_is_fast(smollm2, monkeypatch):
 @pytest.mark.slow
 def test_tiny_preset_has_real_tokenizer_and_seeded_weights():
     model, tok = load_model("tiny")
-    assert model.cfg == ModelConfig.tiny(vocab_size=49152)
+    assert model.cfg == ModelConfig.tiny(vocab_size=TINY_VOCAB)  # SmolLM2's first tokens
     assert tok.eos_id == 2
     assert_same_weights(model, load_model("tiny")[0])
 

@@ -1,0 +1,951 @@
+"""The roofline: the fastest a step can possibly run, from two numbers every chip has.
+
+A chip does at most P FLOP/s and moves at most W bytes/s between its memory and its cores. An
+operation that does F FLOPs and moves B bytes needs at least max(F / P, B / W) seconds. Its
+arithmetic intensity I = F / B (FLOP per byte) says which of the two walls it hits: below the
+ridge point P / W it is memory-bound, above it compute-bound. A decode step of an LLM reads every
+weight to do 2 FLOPs per weight per sequence, so at batch 1 (bf16) it does about 1 FLOP per byte,
+hundreds of times below a GPU's ridge: decode is memory-bound, and batching, quantization and the
+KV cache layout of the later chapters are all ways of doing more work per byte moved.
+
+This module holds the ceilings (datasheet presets, and measured on this machine), the FLOP and
+byte counts of single ops and of a whole model step, the roofline plot, an interactive explorer
+and `python -m labkit roofline`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from torch.nn import functional as F
+
+from labkit.model import PRESETS, ModelConfig
+
+# bytes per element of each number format; int4/fp4 pack two values in a byte. Group-wise int4
+# also stores one 16-bit scale per group of g weights (2/g bytes each: 1.6% more at g = 128),
+# which the counts below leave out.
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5, "fp4": 0.5}
+TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+                "fp16": torch.float16}
+TERA, GIGA = 1e12, 1e9
+
+
+def _dtype_bytes(dtype: str) -> float:
+    """Bytes per element of a dtype name, with a message that lists the known names."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# the ceilings of a chip
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A chip's ceilings: dense peak FLOP/s per dtype, memory bandwidth and size, and sources."""
+
+    name: str
+    peak_flops: Mapping[str, float]  # FLOP/s by dtype name, dense (no 2:4 structured sparsity)
+    bandwidth: float  # bytes/s between device memory and the cores
+    memory: float | None  # bytes of device memory (None: unknown)
+    flops_source: str
+    bandwidth_source: str
+    memory_source: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+        if not self.peak_flops:
+            raise ValueError(f"Hardware {self.name!r}: peak_flops is empty")
+        for dtype, peak in self.peak_flops.items():
+            _dtype_bytes(dtype)
+            if not peak > 0:
+                raise ValueError(f"Hardware {self.name!r}: peak_flops[{dtype!r}] = {peak}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"Hardware {self.name!r}: bandwidth must be > 0, got {self.bandwidth}")
+        if self.memory is not None and not self.memory > 0:
+            raise ValueError(f"Hardware {self.name!r}: memory must be > 0 or None")
+
+    def peak(self, dtype: str = "bf16") -> float:
+        """Dense peak FLOP/s for a dtype."""
+        if dtype not in self.peak_flops:
+            raise KeyError(f"{self.name} has no {dtype} peak; it has {', '.join(self.peak_flops)}")
+        return self.peak_flops[dtype]
+
+    def ridge(self, dtype: str = "bf16") -> float:
+        """Ridge point in FLOP/byte: the intensity where memory time equals compute time."""
+        return self.peak(dtype) / self.bandwidth  # (FLOP/s) / (byte/s)
+
+    def attainable(self, intensity: float, dtype: str = "bf16") -> float:
+        """The roof: FLOP/s attainable at an arithmetic intensity (FLOP/byte)."""
+        return min(self.peak(dtype), intensity * self.bandwidth)
+
+    def as_dict(self) -> dict:
+        """Plain-JSON form (for the on-disk cache of measured ceilings)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {
+            "peak_flops": dict(self.peak_flops)}
+
+
+_HOPPER_NOTE = ("tensor-core figures are printed with 2:4 sparsity; dense = half of them")
+
+# Each number below is the vendor's datasheet figure, per GPU, dense. GB = 1e9 bytes.
+_PRESETS = {
+    "RTX3090": Hardware(
+        name="RTX 3090",
+        # 35.6 TFLOPS FP32 (shader); tensor cores: 71 TFLOPS BF16/FP16 with FP32 accumulate
+        # (what PyTorch/cuBLAS use; FP16 accumulate would be 142), TF32 35.6, INT8 284 TOPS
+        peak_flops={"fp32": 35.6 * TERA, "tf32": 35.6 * TERA, "bf16": 71 * TERA,
+                    "fp16": 71 * TERA, "int8": 284 * TERA},
+        bandwidth=936 * GIGA,  # 936 GB/s GDDR6X (19.5 Gbps x 384-bit bus / 8)
+        memory=24 * GIGA,  # 24 GB GDDR6X
+        flops_source="NVIDIA Ampere GA102 GPU Architecture whitepaper, GeForce RTX 3090 "
+                     "specifications (dense, FP32 accumulate)",
+        bandwidth_source="NVIDIA Ampere GA102 GPU Architecture whitepaper: 936 GB/s",
+        memory_source="NVIDIA GeForce RTX 3090 specifications: 24 GB GDDR6X"),
+    "A100": Hardware(
+        name="A100 80GB SXM",
+        # FP32 19.5 TFLOPS; TF32 156, BF16 312, FP16 312 TFLOPS, INT8 624 TOPS (dense)
+        peak_flops={"fp32": 19.5 * TERA, "tf32": 156 * TERA, "bf16": 312 * TERA,
+                    "fp16": 312 * TERA, "int8": 624 * TERA},
+        bandwidth=2039 * GIGA,  # 2,039 GB/s HBM2e
+        memory=80 * GIGA,  # 80 GB HBM2e
+        flops_source="NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column (dense)",
+        bandwidth_source="NVIDIA A100 datasheet, A100 80GB SXM: 2,039 GB/s",
+        memory_source="NVIDIA A100 datasheet, A100 80GB SXM: 80 GB HBM2e"),
+    "H100": Hardware(
+        name="H100 SXM",
+        # FP32 67 TFLOPS; datasheet TF32 989, BF16/FP16 1,979, FP8 3,958, INT8 3,958 (sparse)
+        peak_flops={"fp32": 67 * TERA, "tf32": 989 / 2 * TERA, "bf16": 1979 / 2 * TERA,
+                    "fp16": 1979 / 2 * TERA, "fp8": 3958 / 2 * TERA, "int8": 3958 / 2 * TERA},
+        bandwidth=3.35 * TERA,  # 3.35 TB/s HBM3
+        memory=80 * GIGA,  # 80 GB HBM3
+        flops_source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column; " + _HOPPER_NOTE,
+        bandwidth_source="NVIDIA H100 datasheet, H100 SXM: 3.35 TB/s",
+        memory_source="NVIDIA H100 datasheet, H100 SXM: 80 GB HBM3"),
+    "H200": Hardware(
+        name="H200 SXM",
+        # the same GH100 compute as H100 SXM; only the memory changed
+        peak_flops={"fp32": 67 * TERA, "tf32": 989 / 2 * TERA, "bf16": 1979 / 2 * TERA,
+                    "fp16": 1979 / 2 * TERA, "fp8": 3958 / 2 * TERA, "int8": 3958 / 2 * TERA},
+        bandwidth=4.8 * TERA,  # 4.8 TB/s HBM3e
+        memory=141 * GIGA,  # 141 GB HBM3e
+        flops_source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column; " + _HOPPER_NOTE,
+        bandwidth_source="NVIDIA H200 datasheet, H200 SXM: 4.8 TB/s",
+        memory_source="NVIDIA H200 datasheet, H200 SXM: 141 GB HBM3e"),
+    "B200": Hardware(
+        name="B200 (HGX)",
+        # HGX B200 (8 GPUs, 1,000 W each), divided by 8: FP32 600 TFLOPS -> 75; sparse tensor
+        # TF32 18 PFLOPS -> 2.25 -> 1.125 dense; BF16/FP16 36 -> 4.5 -> 2.25; FP8 and INT8
+        # 72 -> 9 -> 4.5; FP4 144 -> 18 -> 9 PFLOPS dense per GPU
+        peak_flops={"fp32": 75 * TERA, "tf32": 1125 * TERA, "bf16": 2250 * TERA,
+                    "fp16": 2250 * TERA, "fp8": 4500 * TERA, "int8": 4500 * TERA,
+                    "fp4": 9000 * TERA},
+        bandwidth=8 * TERA,  # 64 TB/s HBM3e for 8 GPUs: 8 TB/s each
+        memory=180 * GIGA,  # 1,440 GB for 8 GPUs: 180 GB each
+        flops_source="NVIDIA HGX B200 datasheet, 8-GPU figures / 8; " + _HOPPER_NOTE,
+        bandwidth_source="NVIDIA HGX/DGX B200 datasheet: 64 TB/s for 8 GPUs",
+        memory_source="NVIDIA DGX B200 datasheet: 1,440 GB for 8 GPUs"),
+}
+
+_ALIASES = {
+    "3090": "RTX3090", "GEFORCERTX3090": "RTX3090", "A10080GB": "A100", "A100SXM": "A100",
+    "A10080GBSXM": "A100", "A100SXM80GB": "A100", "A100SXM4": "A100", "H100SXM": "H100",
+    "H100SXM5": "H100", "H200SXM": "H200", "H200SXM5": "H200", "HGXB200": "B200",
+    "DGXB200": "B200", "B200SXM": "B200"}
+
+
+def _hw_key(name: str) -> str:
+    """Normalise a hardware name: case, spaces, dashes and underscores do not matter."""
+    key = re.sub(r"[\s_\-]", "", name).upper()
+    return _ALIASES.get(key, key)
+
+
+class _HardwareTable(dict):
+    """The presets, looked up case-insensitively and through a few aliases ("h200 sxm")."""
+
+    def __getitem__(self, name: str) -> Hardware:
+        key = _hw_key(name)
+        if not dict.__contains__(self, key):
+            raise KeyError(f"unknown hardware {name!r}; presets: {', '.join(self)} "
+                           "(or 'this' for this machine's measured ceilings)")
+        return dict.__getitem__(self, key)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and dict.__contains__(self, _hw_key(name))
+
+    def get(self, name: str, default: Hardware | None = None) -> Hardware | None:
+        return self[name] if name in self else default
+
+
+HARDWARE: dict[str, Hardware] = _HardwareTable(_PRESETS)
+
+
+def get_hardware(name: str | Hardware) -> Hardware:
+    """A preset by name, or "this" for this machine's measured ceilings (CUDA if present)."""
+    if isinstance(name, Hardware):
+        return name
+    if _hw_key(name) in ("THIS", "THISMACHINE", "MEASURED"):
+        return measure_ceilings("cuda" if torch.cuda.is_available() else "cpu")
+    return HARDWARE[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# measured ceilings of this machine
+
+_CEILINGS: dict[str, Hardware] = {}  # in-process cache, keyed like the files on disk
+_CEILINGS_VERSION = 1  # bump when the measurement changes: cached files go stale
+
+
+def _cache_dir() -> Path:
+    """$LABKIT_CACHE, else ~/.cache/labkit (the same rule as labkit.loading)."""
+    return Path(os.environ.get("LABKIT_CACHE") or Path.home() / ".cache" / "labkit").expanduser()
+
+
+def _device_name(device: torch.device) -> str:
+    """The CPU model or GPU name, for the cache key and the sources."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU, where work is synchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, inner: int = 1) -> float:
+    """Seconds per call of fn: CUDA events on a GPU, perf_counter on the CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / inner  # elapsed_time is in ms
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner
+
+
+def _best_of(fn: Callable[[], object], device: torch.device, budget_s: float, inner: int = 1,
+             min_reps: int = 3) -> tuple[float, int]:
+    """The fastest of repeated timings within a time budget: a ceiling is the best achieved."""
+    deadline = time.perf_counter() + budget_s
+    best, reps = math.inf, 0
+    while reps < min_reps or (time.perf_counter() < deadline and reps < 200):
+        best, reps = min(best, _timed(fn, device, inner)), reps + 1
+    return best, reps
+
+
+def _measure_bandwidth(device: torch.device, budget_s: float) -> tuple[float, str]:
+    """Bytes/s of a large copy into a preallocated buffer: (bytes read + written) / time."""
+    # the buffers must dwarf the last-level cache (32 MiB on this course's CPUs, 50 MiB L2 on
+    # an H100); both are allocated and touched before timing: a fresh allocation (clone())
+    # would time the page faults of new memory, not the memory itself
+    mib = 1024 if device.type == "cuda" else 128
+    n = mib * 2**20 // 4  # fp32 elements
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src).fill_(0.0)
+    dst.copy_(src)  # warm-up
+    _sync(device)
+    seconds, reps = _best_of(lambda: dst.copy_(src), device, budget_s)
+    source = (f"measured: copy of {mib} MiB into a preallocated buffer, (bytes read + bytes "
+              f"written) / time, best of {reps}")
+    return 2 * n * 4 / seconds, source  # read n*4 bytes, write n*4 bytes
+
+
+def _matmul_call(n: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+                 ) -> Callable[[], torch.Tensor]:
+    """A zero-argument call of an [n, n] @ [n, n] matmul into a preallocated output."""
+    a = torch.randn(n, n, generator=gen, device=device).to(dtype)  # a, b, c: [n, n]
+    b = torch.randn(n, n, generator=gen, device=device).to(dtype)
+    c = torch.empty(n, n, dtype=dtype, device=device)
+    return lambda: torch.matmul(a, b, out=c)
+
+
+def _measure_matmul(device: torch.device, dtype: str, budget_s: float) -> tuple[float, str]:
+    """FLOP/s of a square matmul in one dtype: 2 n^3 FLOPs over the best time."""
+    tdt = TORCH_DTYPES[dtype]
+    max_n = 8192 if device.type == "cuda" else 2048
+    inner = 10 if device.type == "cuda" else 1  # one GPU matmul is too short to time alone
+    deadline = time.perf_counter() + budget_s
+    gen = torch.Generator(device=device).manual_seed(0)  # on the device: no host copies
+    cuda = device.type == "cuda"
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32 if cuda else False
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"  # fp32 means true fp32
+    try:
+        n, prev_rate, best = 128, 0.0, (0.0, 0, 0)  # best: (FLOP/s, n, timed calls)
+        while True:
+            call = _matmul_call(n, tdt, device, gen)
+            call()  # warm-up: kernel selection, lazy init
+            t = min(_timed(call, device, inner), _timed(call, device, inner))
+            rate = 2 * n**3 / t
+            best = max(best, (rate, n, 2))
+            # grow n while one call of the next size (8x the work) fits in the budget, and
+            # either this call is too short to time well or the rate still climbs: small
+            # matmuls pay fixed costs (thread wake-ups; on a busy machine, whole scheduler
+            # slices). Sized by time, not FLOPs, because some dtypes run 100x slower on a CPU
+            # without native support (bf16 without AVX512-BF16 or AMX).
+            if (n >= max_n or 8 * t * inner > deadline - time.perf_counter()
+                    or (t * inner > 0.02 and rate < 1.3 * prev_rate)):
+                break
+            n, prev_rate = n * 2, rate
+        seconds, reps = _best_of(call, device, max(0.0, deadline - time.perf_counter()), inner,
+                                 min_reps=1)
+        best = max(best, (2 * n**3 / seconds, n, reps + 2))
+    finally:
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    rate, n, reps = best
+    return rate, f"{dtype}: {n}x{n} matmul, best of {reps}"
+
+
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(CPU-seconds all cores spent busy, of them by this process, wall clock); None off Linux."""
+    try:  # /proc/stat: cpu user nice system idle iowait irq softirq steal ... (in clock ticks)
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(ticks) - ticks[3] - ticks[4]  # steal counts as busy: the host gave it away
+    return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
+
+
+def _busy_elsewhere(since: tuple[float, float, float] | None) -> float:
+    """Cores kept busy by other processes since `since` (0 if unknown)."""
+    now = _cpu_seconds()
+    if since is None or now is None:
+        return 0.0
+    return max(0.0, ((now[0] - since[0]) - (now[1] - since[1])) / (now[2] - since[2]))
+
+
+def _memory_size(device: torch.device) -> tuple[float | None, str]:
+    """Bytes of memory of the device (GPU) or of the machine (CPU), and how we know."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return float(total), "torch.cuda.get_device_properties().total_memory"
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return float(total), "os.sysconf: physical pages x page size"
+    except (AttributeError, ValueError, OSError):
+        return None, "unknown on this OS"
+
+
+def measure_ceilings(device: str | torch.device = "cpu", dtypes: Sequence[str] | None = None,
+                     budget_s: float = 3.0, refresh: bool = False) -> Hardware:
+    """This machine's ceilings, measured once in a few seconds, then cached (memory, disk)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("measure_ceilings('cuda'): no CUDA device is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"measure_ceilings: device must be cpu or cuda, got {dev}")
+    if dtypes is None:
+        dtypes = ("fp32", "bf16") if dev.type == "cpu" else ("fp32", "tf32", "bf16", "fp16")
+    dtypes = tuple(dtypes)
+    for dt in dtypes:
+        if dt not in TORCH_DTYPES or (dt == "tf32" and dev.type != "cuda"):
+            raise ValueError(f"measure_ceilings: cannot measure {dt!r} on {dev.type}")
+    # the numbers depend on the chip, the thread count and the library versions
+    ident = json.dumps([_CEILINGS_VERSION, dev.type, _device_name(dev), torch.get_num_threads(),
+                        torch.__version__, dtypes, budget_s])
+    key = f"ceilings-{dev.type}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+    path = _cache_dir() / f"{key}.json"
+    if not refresh:
+        if key in _CEILINGS:
+            return _CEILINGS[key]
+        try:
+            _CEILINGS[key] = Hardware(**json.loads(path.read_text()))
+            return _CEILINGS[key]
+        except (OSError, ValueError, TypeError):
+            pass  # not measured yet on this machine (or an unreadable file): measure now
+    # other processes competing for the cores make every number low: such a measurement is
+    # used, labelled, but not written to disk for later runs
+    start = _cpu_seconds() if dev.type == "cpu" else None
+    bandwidth, bw_source = _measure_bandwidth(dev, 0.35 * budget_s)
+    flops = {dt: _measure_matmul(dev, dt, 0.55 * budget_s / len(dtypes)) for dt in dtypes}
+    busy = _busy_elsewhere(start)
+    busy = busy if busy > 0.25 else 0.0  # a quarter core: background noise
+    memory, mem_source = _memory_size(dev)
+    where = (f"{_device_name(dev)}, torch {torch.__version__}, {torch.get_num_threads()} "
+             f"threads" if dev.type == "cpu" else f"{_device_name(dev)}, CUDA events")
+    note = f" [other processes kept {busy:.1f} cores busy: low numbers, not cached]" if busy \
+        else ""
+
+    hw = Hardware(
+        name=f"this machine ({dev.type})", peak_flops={dt: f for dt, (f, _) in flops.items()},
+        bandwidth=bandwidth, memory=memory,
+        flops_source=f"measured on {where}: " + "; ".join(s for _, s in flops.values()) + note,
+        bandwidth_source=f"{bw_source} ({where}){note}", memory_source=mem_source)
+    _CEILINGS[key] = hw
+    if busy:
+        return hw
+    try:  # write atomically: a concurrent reader sees the old file or the new one, never half
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(hw.as_dict(), f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache directory costs a re-measurement next time, nothing else
+    return hw
+
+
+# ---------------------------------------------------------------------------------------------
+# single operations
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """FLOPs and bytes of one operation; where it sits on a chip's roofline."""
+
+    name: str
+    flops: float
+    nbytes: float
+    dtype: str  # whose peak bounds its FLOPs
+
+    @property
+    def intensity(self) -> float:
+        """FLOP per byte moved."""
+        return self.flops / self.nbytes
+
+    def floor_s(self, hw: Hardware) -> float:
+        """The least time it can take: max(compute time, memory time)."""
+        return max(self.flops / hw.peak(self.dtype), self.nbytes / hw.bandwidth)
+
+    def bound(self, hw: Hardware) -> str:
+        """'compute' or 'memory': the wall it hits on this chip."""
+        return "compute" if self.flops / hw.peak(self.dtype) >= self.nbytes / hw.bandwidth \
+            else "memory"
+
+    def attainable(self, hw: Hardware) -> float:
+        """FLOP/s the roof allows at this op's intensity."""
+        return hw.attainable(self.intensity, self.dtype)
+
+
+def _matmul_counts(m: int, n: int, k: int, bytes_per_element: float) -> tuple[float, float]:
+    """(FLOPs, bytes) of C[M, N] = A[M, K] @ B[K, N]."""
+    flops = 2 * m * n * k  # one multiply and one add for every (m, n, k)
+    nbytes = (m * k + k * n + m * n) * bytes_per_element  # read A, read B, write C: each once
+    return flops, nbytes  # (once is the ideal; a real kernel re-reads tiles from cache, not DRAM)
+
+
+def matmul_intensity(m: int, n: int, k: int, bytes_per_element: float) -> float:
+    """Arithmetic intensity (FLOP/byte) of an [M, K] @ [K, N] matmul."""
+    flops, nbytes = _matmul_counts(m, n, k, bytes_per_element)
+    return flops / nbytes
+
+
+def matmul_cost(m: int, n: int, k: int, dtype: str = "bf16") -> OpCost:
+    """FLOPs and bytes of an [M, K] @ [K, N] matmul."""
+    flops, nbytes = _matmul_counts(m, n, k, _dtype_bytes(dtype))
+    return OpCost(f"matmul {m}x{k}x{n}", flops, nbytes, dtype)
+
+
+def matvec_cost(n: int, k: int, dtype: str = "bf16") -> OpCost:
+    """FLOPs and bytes of a [N, K] @ [K] matrix-vector product (a matmul with M = 1)."""
+    flops, nbytes = _matmul_counts(1, n, k, _dtype_bytes(dtype))
+    return OpCost(f"matvec {n}x{k}", flops, nbytes, dtype)  # ~2 FLOPs per weight read: I ~ 2/b
+
+
+def decode_attention_cost(config: ModelConfig, batch: int, context_len: int,
+                          kv_dtype: str = "bf16", dtype: str = "bf16") -> OpCost:
+    """One layer's attention at decode: each sequence's one query over its context_len keys."""
+    h, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    flops = 4 * batch * h * context_len * d  # q.k (2 per element) and p.v (2 per element)
+    kv = 2 * batch * hkv * context_len * d * _dtype_bytes(kv_dtype)  # read K and V once: the
+    # h / hkv query heads of a GQA group share one KV head, so intensity ~ 2 (h / hkv) / b_kv
+    qo = 2 * batch * h * d * _dtype_bytes(dtype)  # read q, write o
+    return OpCost(f"attention decode L={context_len}", flops, kv + qo, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# a whole model step
+
+
+def _linear_params_per_layer(cfg: ModelConfig) -> int:
+    """Weights of one layer's matmuls: q, k, v, o projections and the SwiGLU MLP."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    attn = d * cfg.num_heads * hd + 2 * d * cfg.num_kv_heads * hd + cfg.num_heads * hd * d
+    return attn + 3 * d * cfg.intermediate_size  # gate, up: [d, f]; down: [f, d]
+
+
+def _weight_elems(cfg: ModelConfig) -> int:
+    """Weights a step reads in full: every layer, the norms and the [V, d] output head."""
+    # tied: the head *is* the embedding table; untied: the input table is only gathered (T rows,
+    # counted with the activations), so it is left out here
+    return cfg.num_params(include_embedding=cfg.tie_embeddings)
+
+
+def _step_flops(cfg: ModelConfig, batch: int, context_len: int, phase: str
+                ) -> tuple[float, float, float]:
+    """(linear, attention, head) FLOPs of one step; norms, RoPE and softmax are left out."""
+    hd_total = cfg.num_heads * cfg.head_dim
+    if phase == "decode":
+        tokens = batch  # one new token per sequence, attending over context_len keys
+        pairs = batch * context_len  # (query, key) pairs per layer
+    else:
+        tokens = batch * context_len  # the whole prompt; causal: token i sees i + 1 keys
+        pairs = batch * context_len * (context_len + 1) // 2
+    linear = 2 * tokens * cfg.num_layers * _linear_params_per_layer(cfg)  # 2 FLOPs per weight
+    attention = 4 * pairs * hd_total * cfg.num_layers  # q.k and p.v: 2 + 2 FLOPs per element
+    head = 2 * batch * cfg.hidden_size * cfg.vocab_size  # only each sequence's last row
+    return float(linear), float(attention), float(head)
+
+
+def decode_step_flops(cfg: ModelConfig, batch: int, context_len: int) -> float:
+    """FLOPs of one decode step: linears, attention over context_len and the output head."""
+    return sum(_step_flops(cfg, batch, context_len, "decode"))
+
+
+def decode_step_bytes(cfg: ModelConfig, batch: int, context_len: int, weight_bytes: float,
+                      kv_bytes: float) -> float:
+    """Bytes one decode step must move: weights once, each sequence's KV, the new KV."""
+    weights = _weight_elems(cfg) * weight_bytes  # once per step, whatever the batch
+    kv_read = batch * context_len * cfg.kv_bytes_per_token(1) * kv_bytes  # K, V; all layers
+    kv_write = batch * cfg.kv_bytes_per_token(1) * kv_bytes  # the new token's K and V
+    return weights + kv_read + kv_write
+
+
+def _activation_elems(cfg: ModelConfig, tokens: int, rows: int) -> int:
+    """Activation elements the step's kernels read and write (each matmul: input + output)."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = ((d + q) + 2 * (d + kv)  # q, k, v projections: read x, write q / k / v
+                 + 2 * q  # attention reads q, writes o (its K/V traffic is counted as KV)
+                 + (q + d)  # o projection
+                 + 2 * (d + f) + (f + d))  # gate, up: read h, write f each; down
+    # + the embedding rows gathered; the head reads `rows` hidden states and writes their logits.
+    # Norms, RoPE and residual adds fuse into their neighbours in a good engine: left out.
+    return tokens * (cfg.num_layers * per_layer + d) + rows * (d + cfg.vocab_size)
+
+
+def _compute_dtype(hw: Hardware, weight_dtype: str) -> str:
+    """The format the step's matmuls run in, given the weights' format and the chip."""
+    # float weights multiply as they are (fp8 and fp4 where the chip has such tensor cores);
+    # int8/int4 weights are weight-only: dequantized in the kernel to the chip's fastest
+    # 16/32-bit float format (bf16 on a GPU; fp32 on a CPU without bf16 units)
+    if weight_dtype in ("fp32", "bf16", "fp16", "fp8", "fp4") and weight_dtype in hw.peak_flops:
+        return weight_dtype
+    floats = [dt for dt in ("bf16", "fp16", "fp32") if dt in hw.peak_flops]
+    if not floats:
+        raise KeyError(f"{hw.name} has no bf16, fp16 or fp32 peak to run {weight_dtype} in")
+    return max(floats, key=hw.peak)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """FLOPs, bytes and the predicted floor time of one model step on one chip."""
+
+    model: str
+    hardware: str
+    phase: str  # "decode" or "prefill"
+    batch: int  # sequences
+    context_len: int  # decode: tokens each sequence attends over; prefill: prompt length
+    weight_dtype: str
+    kv_dtype: str
+    compute_dtype: str
+    tokens: int  # tokens processed: batch (decode) or batch * context_len (prefill)
+    linear_flops: float
+    attention_flops: float
+    head_flops: float
+    weight_bytes: float
+    kv_read_bytes: float
+    kv_write_bytes: float
+    activation_bytes: float
+    peak_flops: float  # FLOP/s of the chip in compute_dtype
+    bandwidth: float  # bytes/s
+    critical_batch: int | None  # smallest decode batch that is compute-bound; None: never
+
+    @property
+    def flops(self) -> float:
+        return self.linear_flops + self.attention_flops + self.head_flops
+
+    @property
+    def nbytes(self) -> float:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + \
+            self.activation_bytes
+
+    @property
+    def intensity(self) -> float:
+        """FLOP per byte of the whole step."""
+        return self.flops / self.nbytes
+
+    @property
+    def ridge(self) -> float:
+        """The chip's ridge point in the compute dtype (FLOP/byte)."""
+        return self.peak_flops / self.bandwidth
+
+    @property
+    def compute_s(self) -> float:
+        return self.flops / self.peak_flops
+
+    @property
+    def memory_s(self) -> float:
+        return self.nbytes / self.bandwidth
+
+    @property
+    def floor_s(self) -> float:
+        """The least time the step can take: the slower of its compute and its memory traffic."""
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second at the floor (decode: new tokens; prefill: prompt tokens)."""
+        return self.tokens / self.floor_s
+
+    def as_dict(self) -> dict:
+        """The JSON record of `python -m labkit roofline --json`."""
+        return {"batch": self.batch, "phase": self.phase, "context": self.context_len,
+                "flops": self.flops, "bytes": self.nbytes, "intensity": self.intensity,
+                "floor_ms": self.floor_s * 1e3, "bound": self.bound, "ridge": self.ridge,
+                "tokens_per_s": self.tokens_per_s, "critical_batch": self.critical_batch,
+                "hardware": self.hardware, "model": self.model,
+                "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype,
+                "compute_dtype": self.compute_dtype}
+
+    def summary(self) -> str:
+        """A few lines a learner can read: counts, the bound, the floor, the critical batch."""
+        crit = (f"decode at this context turns compute-bound at batch >= {self.critical_batch}"
+                if self.critical_batch else "decode at this context never turns compute-bound "
+                "(each sequence's own bytes, its KV above all, cost more than its FLOPs allow)")
+        return (
+            f"{self.model} {self.phase}, batch {self.batch}, context {self.context_len} on "
+            f"{self.hardware} (weights {self.weight_dtype}, KV {self.kv_dtype}, compute "
+            f"{self.compute_dtype})\n"
+            f"  {self.flops / 1e9:.3g} GFLOP, {self.nbytes / 1e6:.4g} MB (weights "
+            f"{self.weight_bytes / 1e6:.4g}, KV read {self.kv_read_bytes / 1e6:.4g}, KV write "
+            f"{self.kv_write_bytes / 1e6:.3g}, activations {self.activation_bytes / 1e6:.3g})\n"
+            f"  intensity {self.intensity:.3g} FLOP/B vs ridge {self.ridge:.3g}: {self.bound}-"
+            f"bound; floor {self.floor_s * 1e3:.4g} ms/step = {self.tokens_per_s:,.0f} tok/s\n"
+            f"  {crit}")
+
+
+def step_cost(config: ModelConfig, batch: int, context_len: int, phase: str = "decode",
+              weight_dtype: str = "bf16", kv_dtype: str = "bf16",
+              hardware: Hardware | str = "H200", compute_dtype: str | None = None) -> StepCost:
+    """FLOPs, bytes, floor time and bound of one decode or prefill step of a whole model."""
+    if batch < 1 or context_len < 1:
+        raise ValueError(f"batch and context_len must be >= 1, got {batch}, {context_len}")
+    if phase not in ("decode", "prefill"):
+        raise ValueError(f"phase must be 'decode' or 'prefill', got {phase!r}")
+    hw = get_hardware(hardware)
+    wb, kvb = _dtype_bytes(weight_dtype), _dtype_bytes(kv_dtype)
+    compute = compute_dtype or _compute_dtype(hw, weight_dtype)
+    act_b = _dtype_bytes(compute) if compute in ("fp32", "bf16", "fp16") else 2  # fp8/fp4
+    # matmuls still take and give 16-bit activations around them
+    kv_token = config.kv_bytes_per_token(1) * kvb  # K and V, every layer, one token
+    tokens = batch if phase == "decode" else batch * context_len
+    linear, attention, head = _step_flops(config, batch, context_len, phase)
+    weight_bytes = _weight_elems(config) * wb  # read once per step, shared by every sequence
+    if phase == "decode":
+        kv_read = batch * context_len * kv_token  # every sequence reads its whole context
+        kv_write = batch * kv_token  # and appends one token
+    else:
+        kv_write = batch * context_len * kv_token  # the prompt's K and V, written once
+        kv_read = kv_write  # and read back at least once by attention (flash: once per tile
+        # of queries, which tiling keeps on chip; this is the floor)
+    activation_bytes = _activation_elems(config, tokens, rows=batch) * act_b
+    peak = hw.peak(compute)
+
+    # decode FLOPs and bytes are affine in the batch, F(B) = B f1 and M(B) = W + B m1, so the
+    # step is compute-bound once B (f1 / peak - m1 / bw) >= W / bw
+    f1 = sum(_step_flops(config, 1, context_len, "decode"))
+    m1 = context_len * kv_token + kv_token + _activation_elems(config, 1, 1) * act_b
+    slope = f1 / peak - m1 / hw.bandwidth
+    critical = math.ceil(weight_bytes / hw.bandwidth / slope) if slope > 0 else None
+    return StepCost(
+        model=config.name, hardware=hw.name, phase=phase, batch=batch, context_len=context_len,
+        weight_dtype=weight_dtype, kv_dtype=kv_dtype, compute_dtype=compute, tokens=tokens,
+        linear_flops=linear, attention_flops=attention, head_flops=head,
+        weight_bytes=weight_bytes, kv_read_bytes=kv_read, kv_write_bytes=kv_write,
+        activation_bytes=activation_bytes, peak_flops=peak, bandwidth=hw.bandwidth,
+        critical_batch=critical)
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring a real decode step
+
+
+class _RandomKVAttention:
+    """Decode-only attention over a preallocated random KV context (for timing a step)."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, context_len: int, dtype: torch.dtype,
+                 device: torch.device, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        shape = (batch, cfg.num_kv_heads, context_len, cfg.head_dim)  # [B, Hkv, L, D]
+        self.k = [torch.randn(shape, generator=gen).to(device, dtype)
+                  for _ in range(cfg.num_layers)]
+        self.v = [torch.randn(shape, generator=gen).to(device, dtype)
+                  for _ in range(cfg.num_layers)]
+        self.cfg = cfg
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> torch.Tensor:
+        """Write the new K, V into the last slot; attend each sequence's query over it all."""
+        # q: [B, H, D]; k, v: [B, Hkv, D] (one new token per sequence)
+        cfg, b = self.cfg, q.shape[0]
+        k_cache, v_cache = self.k[layer], self.v[layer]  # [B, Hkv, L, D]
+        k_cache[:, :, -1] = k
+        v_cache[:, :, -1] = v
+        # query head h uses KV head h // G: a group's G query heads attend as G rows of one head,
+        # so each KV head is read once, as a GQA kernel does
+        g = cfg.num_heads // cfg.num_kv_heads
+        qg = q.view(b, cfg.num_kv_heads, g, cfg.head_dim)  # [B, Hkv, G, D]
+        o = F.scaled_dot_product_attention(qg, k_cache, v_cache)  # [B, Hkv, G, D]
+        return o.reshape(b, cfg.num_heads, cfg.head_dim)  # [B, H, D]
+
+
+def measure_decode_step(model: torch.nn.Module, batch: int = 1, context_len: int = 1024,
+                        repeats: int = 5) -> float:
+    """Median seconds of the model's forward for one decode token per sequence."""
+    if batch < 1 or context_len < 1 or repeats < 1:
+        raise ValueError("batch, context_len and repeats must be >= 1")
+    cfg = model.cfg
+    param = next(model.parameters())
+    attn = _RandomKVAttention(cfg, batch, context_len, param.dtype, param.device)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(cfg.vocab_size, (batch,), generator=gen).to(param.device)  # [B]
+    positions = torch.full((batch,), context_len - 1, device=param.device)  # [B]
+    model(ids, positions, attn)  # warm-up: allocator, kernel selection
+    times = []
+    for _ in range(repeats):
+        _sync(param.device)
+        t0 = time.perf_counter()
+        model(ids, positions, attn)
+        _sync(param.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------------
+# pictures
+
+
+@dataclass(frozen=True)
+class RooflinePoint:
+    """A point to place on the plot: a measured op (achieved FLOP/s) or a predicted one."""
+
+    label: str
+    intensity: float  # FLOP/byte
+    flops_per_s: float
+    measured: bool = True
+
+    @staticmethod
+    def timed(op: OpCost, seconds: float, label: str | None = None) -> RooflinePoint:
+        """An op that ran in `seconds`: achieved FLOP/s = its FLOPs / seconds."""
+        return RooflinePoint(label or op.name, op.intensity, op.flops / seconds, True)
+
+
+def plot_roofline(hardware: Hardware | str | Sequence[Hardware | str],
+                  points: Sequence[RooflinePoint | OpCost | StepCost] = (), dtype: str = "bf16",
+                  ax=None, title: str | None = None):
+    """Draw the roofs of one or more chips, their ridges, and ops/steps placed on them."""
+    import matplotlib.pyplot as plt
+
+    chips = [get_hardware(h) for h in (
+        [hardware] if isinstance(hardware, (str, Hardware)) else hardware)]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 5))
+    placed = []
+    for p in points:  # a predicted step sits on its own chip's roof; a bare op on the first
+        if isinstance(p, RooflinePoint):
+            placed.append(p)
+        elif isinstance(p, StepCost):
+            label = f"{p.phase} B={p.batch} L={p.context_len}"
+            placed.append(RooflinePoint(label, p.intensity,
+                                        min(p.peak_flops, p.intensity * p.bandwidth), False))
+        else:
+            placed.append(RooflinePoint(p.name, p.intensity, p.attainable(chips[0]), False))
+    xs = [p.intensity for p in placed] + [hw.ridge(_has(hw, dtype)) for hw in chips]
+    lo, hi = min(xs + [1.0]) / 4, max(xs + [1.0]) * 4
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, hw in enumerate(chips):
+        dt, color = _has(hw, dtype), colors[i % len(colors)]
+        ridge, peak = hw.ridge(dt), hw.peak(dt)
+        ax.loglog([lo, ridge, hi], [lo * hw.bandwidth, peak, peak], color=color, lw=2,
+                  label=f"{hw.name}: {_si(peak, 'FLOP/s')} {dt}, {_si(hw.bandwidth, 'B/s')}")
+        ax.axvline(ridge, color=color, ls=":", lw=1)
+        ax.annotate(f"ridge {ridge:.3g}", (ridge, peak), textcoords="offset points",
+                    xytext=(4, -14), color=color, fontsize=8)
+    for i, p in enumerate(placed):
+        ax.plot(p.intensity, p.flops_per_s, "o" if p.measured else "s", ms=7,
+                mfc="black" if p.measured else "white", mec="black")
+        ax.annotate(p.label, (p.intensity, p.flops_per_s), textcoords="offset points",
+                    xytext=(6, 4 if i % 2 == 0 else -12), fontsize=8)  # alternate: no overlap
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("FLOP/s")
+    ax.set_title(title or "roofline (filled: measured; open: predicted, on the roof)")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(True, which="both", alpha=0.2)
+    return ax
+
+
+def _si(value: float, unit: str) -> str:
+    """3 significant digits with an SI prefix: 989.5e12 FLOP/s -> '990 TFLOP/s'."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _has(hw: Hardware, dtype: str) -> str:
+    """dtype if the chip has a peak for it, else its fastest float format."""
+    return dtype if dtype in hw.peak_flops else _compute_dtype(hw, "int8")
+
+
+def explore(hardware: str = "H200", model: str = "smollm2-135m"):
+    """An interactive roofline: pick chip, model, batch, context, dtypes; see the step time."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    dtypes = ["bf16", "fp16", "fp8", "int8", "int4", "fp4", "fp32"]
+    controls = {
+        "hardware": widgets.Dropdown(options=[*HARDWARE, "this"], description="hardware",
+                                     value=_hw_key(hardware) if hardware in HARDWARE else "this"),
+        "model": widgets.Dropdown(options=list(PRESETS), value=model, description="model"),
+        "phase": widgets.ToggleButtons(options=["decode", "prefill"], value="decode"),
+        "batch": widgets.SelectionSlider(options=[2**i for i in range(11)], value=1,
+                                         description="batch"),
+        "context": widgets.SelectionSlider(options=[2**i for i in range(7, 18)], value=1024,
+                                           description="context"),
+        "weight_dtype": widgets.Dropdown(options=dtypes, value="bf16", description="weights"),
+        "kv_dtype": widgets.Dropdown(options=dtypes, value="bf16", description="KV"),
+    }
+    out = widgets.Output()
+
+    def redraw(_=None) -> None:
+        v = {name: c.value for name, c in controls.items()}
+        with out:
+            out.clear_output(wait=True)
+            try:
+                cost = step_cost(PRESETS[v["model"]](), v["batch"], v["context"], v["phase"],
+                                 v["weight_dtype"], v["kv_dtype"], hardware=v["hardware"])
+            except (KeyError, ValueError) as err:
+                print(f"cannot predict this step: {err}")
+                return
+            fig, ax = plt.subplots(figsize=(7.5, 4.5))
+            plot_roofline(get_hardware(v["hardware"]), [cost], dtype=cost.compute_dtype, ax=ax)
+            display(fig)
+            plt.close(fig)
+            print(cost.summary())
+
+    for c in controls.values():
+        c.observe(redraw, names="value")
+    redraw()
+    c = controls
+    return widgets.VBox([
+        widgets.HBox([c["hardware"], c["model"], c["phase"]]),
+        widgets.HBox([c["batch"], c["context"]]),
+        widgets.HBox([c["weight_dtype"], c["kv_dtype"]]), out])
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m labkit roofline
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line of `python -m labkit roofline`."""
+    p = argparse.ArgumentParser(
+        prog="python -m labkit roofline",
+        description="Roofline analysis of one model step: FLOPs, bytes, intensity, the floor "
+                    "time and the bound it hits, for each batch size.")
+    p.add_argument("--hardware", default="H200",
+                   help=f"a preset ({', '.join(HARDWARE)}) or 'this' (measured here)")
+    p.add_argument("--model", default="smollm2-135m", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--batch", default="1,8,32,256", help="comma-separated batch sizes")
+    p.add_argument("--phase", default="decode", choices=["decode", "prefill"])
+    p.add_argument("--context", type=int, default=1024,
+                   help="decode: tokens each sequence attends over; prefill: prompt length")
+    p.add_argument("--weight-dtype", choices=list(DTYPE_BYTES), default=None,
+                   help="default bf16 (fp32 on this machine's CPU)")
+    p.add_argument("--kv-dtype", choices=list(DTYPE_BYTES), default=None,
+                   help="default: the weight dtype's 16/32-bit float")
+    p.add_argument("--json", action="store_true", help="one JSON object per batch size")
+    return p
+
+
+def _fail(message: str) -> int:
+    """Print a usage error on stderr; exit code 2, as argparse does."""
+    print(f"python -m labkit roofline: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str]) -> int:
+    """`python -m labkit roofline`: the analysis as a table, or JSON lines; exit 2 on bad input."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse already printed its message on stderr
+        return int(exit_.code or 0)
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        return _fail(f"--batch must be comma-separated integers, got {args.batch!r}")
+    if any(b < 1 for b in batches):
+        return _fail(f"every --batch must be >= 1, got {args.batch!r}")
+    if args.context < 1:
+        return _fail(f"--context must be >= 1, got {args.context}")
+    if args.model not in PRESETS:
+        return _fail(f"unknown model {args.model!r}; presets: {', '.join(PRESETS)}")
+    try:
+        hw = get_hardware(args.hardware)
+    except (KeyError, RuntimeError) as err:
+        return _fail(str(err.args[0]))
+    cpu = hw.name == "this machine (cpu)"
+    weight_dtype = args.weight_dtype or ("fp32" if cpu else "bf16")
+    kv_dtype = args.kv_dtype or (weight_dtype if weight_dtype in ("fp32", "bf16", "fp16")
+                                 else "bf16")
+    cfg = PRESETS[args.model]()
+    try:
+        costs = [step_cost(cfg, b, args.context, args.phase, weight_dtype, kv_dtype, hw)
+                 for b in batches]
+    except (KeyError, ValueError) as err:
+        return _fail(str(err.args[0]))
+    if args.json:
+        for c in costs:
+            print(json.dumps(c.as_dict()))
+        return 0
+    c0 = costs[0]
+    crit = (f"decode turns compute-bound at batch >= {c0.critical_batch}" if c0.critical_batch
+            else "decode never turns compute-bound at this context")
+    print(f"{cfg.name} {args.phase}, context {args.context}, on {hw.name}: weights "
+          f"{weight_dtype}, KV {kv_dtype}, compute {c0.compute_dtype}\n"
+          f"peak {c0.peak_flops / 1e12:.4g} TFLOP/s, bandwidth {hw.bandwidth / 1e12:.4g} TB/s, "
+          f"ridge {c0.ridge:.4g} FLOP/B; {crit}\n")
+    print(f"{'batch':>6} {'GFLOP':>10} {'MB':>10} {'FLOP/B':>8} {'floor ms':>10} "
+          f"{'bound':>8} {'tokens/s':>12}")
+    for c in costs:
+        print(f"{c.batch:>6} {c.flops / 1e9:>10.4g} {c.nbytes / 1e6:>10.4g} "
+              f"{c.intensity:>8.3g} {c.floor_s * 1e3:>10.4g} {c.bound:>8} "
+              f"{c.tokens_per_s:>12,.0f}")
+    return 0
