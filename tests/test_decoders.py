@@ -33,7 +33,8 @@ _ENGINES = {}
 def get_engine(device: str) -> Engine:
     """One engine per device for the module (the simulated device takes seconds to start)."""
     if device not in _ENGINES:
-        e = Engine(MODEL, None, kv_tokens=512, block_size=8, max_seqs=6, device=device)
+        e = Engine(MODEL, None, kv_tokens=512, block_size=8, max_seqs=6, device=device,
+                   num_adapter_slots=2)
         e.eos_id = EOS
         _ENGINES[device] = e
     return _ENGINES[device]
@@ -64,7 +65,8 @@ def workload(seed: int):
         prompt = [rng.randrange(3, CFG.vocab_size) for _ in range(rng.randrange(1, 20))]
         arrive = rng.choice([0, 0, 0, 2, 5])  # some join mid-run
         cancel = rng.choice([None, None, None, 1, 3, 7])  # steps after arrival
-        reqs.append((prompt, params, spec, arrive, cancel))
+        adapter = rng.choice([None, None, 0, 1])  # a LoRA stand-in: a slot from a pool of 2
+        reqs.append((prompt, params, spec, arrive, cancel, adapter))
     return reqs
 
 
@@ -82,10 +84,10 @@ def run(engine: Engine, decoder: str, reqs) -> list[tuple[list[int], str]]:
 
     def on_step(eng):
         now = eng.steps - start
-        for i, (prompt, params, spec, arrive, cancel) in enumerate(reqs):
+        for i, (prompt, params, spec, arrive, cancel, adapter) in enumerate(reqs):
             if i not in ids and (arrive <= now or eng.scheduler.idle()):
                 c = parse_constraint(spec, VOCAB) if spec else None
-                ids[i] = eng.submit(prompt, params, constraint=c)
+                ids[i] = eng.submit(prompt, params, constraint=c, adapter=adapter)
             if cancel is not None and i in ids and now == arrive + cancel:  # maybe never
                 eng.cancel(ids[i])
     engine.on_step = on_step
@@ -118,7 +120,7 @@ def test_decoders_emit_identical_tokens(device, seed):
 
 
 def test_devices_agree_with_each_other():
-    reqs = [r[:3] + (0, None) for r in workload(5)]
+    reqs = [r[:3] + (0, None, r[5]) for r in workload(5)]
     out = {d: run(get_engine(d), "pipelined", reqs) for d in ("inprocess", "process")}
     assert out["inprocess"] == out["process"]
 
@@ -129,9 +131,9 @@ def test_constrained_outputs_always_parse(device):
     # max_new_tokens=2 is far too short for a box: the cap rises to the longest answer, so
     # the output still parses
     reqs = [([5 + i], SamplingParams(max_new_tokens=2 + 30 * (i % 2), temperature=1.5, seed=i),
-             {"box": {"min": 0, "max": 1, "decimals": 2}}, 0, None) for i in range(4)]
+             {"box": {"min": 0, "max": 1, "decimals": 2}}) for i in range(4)]
     ids = []
-    for prompt, params, spec, _, _ in reqs:
+    for prompt, params, spec in reqs:
         ids.append(engine.submit(prompt, params, constraint=parse_constraint(spec, VOCAB)))
     engine.run("pipelined")
     for rid in ids:
