@@ -35,6 +35,11 @@ PROMPTS = ["Name three uses of a paperclip.", "Why is the sky blue?", "Describe 
            "Suggest a name for a cat.", "How do birds navigate?"]
 
 
+def predicted_speedup(t_host: float, t_device: float) -> float:
+    """The cost model: a blocking step costs T_host + T_device, a pipelined one the larger."""
+    return (t_host + t_device) / max(t_host, t_device)
+
+
 def decode_ms_per_step(timeline) -> tuple[float, float, int]:
     """(wall ms per decode step, device ms per decode step, decode steps) of a recorded run."""
     decode_launches = [s for s in timeline.lane("host") if s.label == "decode"]
@@ -84,7 +89,7 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int) -> dict:
     return {
         "streams": streams, "blocking_ms": blocking, "pipelined_ms": pipelined,
         "speedup": blocking / pipelined, "t_host_ms": t_host, "t_device_ms": t_device,
-        "predicted_speedup": (t_host + t_device) / max(t_host, t_device),
+        "predicted_speedup": predicted_speedup(t_host, t_device),
         "zombie_rows": last["zombie_rows"], "zombie_tax": last["zombie_rows"] / last["rows"],
         "timelines": {d: runs[d][-1]["timeline"] for d in runs},
     }

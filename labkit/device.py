@@ -157,9 +157,11 @@ def _device_main(model, runner_args, threads, compute_rx, copy_rx, copy_done, ho
     masks: dict[int, torch.Tensor] = {}  # constraint masks, cached by the host's key
     vocab = model.cfg.vocab_size
 
-    def record(lane: int, op: int, step: int, t0: float) -> None:
+    def record(lane: int, op: int, step: int, t0: float, t1: float) -> None:
+        # t1 is taken before the event is set: once it is, the other stream and the host run,
+        # and a span ended after that would swallow their time
         i = int(trace_n[lane]) % _TRACE_CAP
-        trace[lane, i] = torch.tensor([op, step, t0, time.perf_counter()], dtype=torch.float64)
+        trace[lane, i] = torch.tensor([op, step, t0, t1], dtype=torch.float64)
         trace_n[lane] += 1
 
     def fail() -> None:
@@ -183,8 +185,10 @@ def _device_main(model, runner_args, threads, compute_rx, copy_rx, copy_done, ho
                     mask = allowed_tensor(rows, plan.batch_size, vocab, runner.device)
                     tokens[slot] = runner.sample(plan, logits[slot], mask)
                     logits[slot] = None
+                t1 = time.perf_counter()
+                if op == "sample":
                     sampled[slot].set()
-                record(0, _OPS.index(op), plan.step, t0)
+                record(0, _OPS.index(op), plan.step, t0, t1)
         except BaseException:
             fail()
 
@@ -198,8 +202,9 @@ def _device_main(model, runner_args, threads, compute_rx, copy_rx, copy_done, ho
                 n = tokens[slot].shape[0]
                 host_tokens[slot, 0] = n
                 host_tokens[slot, 1:n + 1] = tokens[slot]  # into the shared "pinned" buffer
-                record(1, 2, step, t0)
+                t1 = time.perf_counter()
                 copy_done[slot].set()
+                record(1, 2, step, t0, t1)
         except BaseException:
             fail()
 

@@ -124,7 +124,8 @@ class CudaDevice(Device):
         self.copied = [torch.cuda.Event() for _ in range(NUM_SLOTS)]
         self._logits: list[torch.Tensor | None] = [None] * NUM_SLOTS
         self._tokens: list[torch.Tensor | None] = [None] * NUM_SLOTS
-        self._n = [0] * NUM_SLOTS
+        self._n = [0] * NUM_SLOTS  # rows of the step in each slot
+        self._step = [0] * NUM_SLOTS  # and its step number, for the timeline
         self._masks: dict[int, torch.Tensor] = {}  # constraint masks kept on the device
         # device spans: timing events, mapped to the host clock through one base event
         # (a bounded deque: a long run nobody records keeps only its latest spans)
@@ -168,7 +169,7 @@ class CudaDevice(Device):
             self._pending.append(("compute", "sample", plan.step, t0,
                                   self._timed(self.compute)))
         self._n[slot] = plan.batch_size
-        self._step = plan.step
+        self._step[slot] = plan.step
 
     def launch_copy(self, slot: int) -> None:
         n = self._n[slot]
@@ -178,7 +179,8 @@ class CudaDevice(Device):
             self.host[slot][:n].copy_(self._tokens[slot], non_blocking=True)  # DMA to pinned
             self._tokens[slot].record_stream(self.copy)  # memory used by a second stream
             self.copied[slot].record(self.copy)
-            self._pending.append(("copy", "copy", self._step, t0, self._timed(self.copy)))
+            self._pending.append(("copy", "copy", self._step[slot], t0,
+                                  self._timed(self.copy)))
 
     def wait_tokens(self, slot: int) -> list[int]:
         self.copied[slot].synchronize()

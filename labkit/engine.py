@@ -25,7 +25,7 @@ from labkit.paged_kv import BlockAllocator
 from labkit.runner import StepPlan, max_seq_len
 from labkit.sampling import SamplingParams
 from labkit.scheduler import RequestError, Scheduler
-from labkit.sequence import FinishReason, Sequence
+from labkit.sequence import FinishReason, Sequence, commit_row
 
 TextCallback = Callable[[int, str], None]  # (request index, newly decoded text)
 
@@ -171,7 +171,6 @@ class Engine:
         self.steps += 1
         if launch.plan.kind == "decode":
             self.decode_rows += launch.plan.batch_size
-        self.scheduler.step = self.steps
         self._span(launch.plan.kind, launch, launch.launched_s)  # "prefill" or "decode" launch
 
     def wait_tokens(self, launch: Launch) -> list[int]:
@@ -204,14 +203,12 @@ class Engine:
         """Apply a step's tokens to its sequences; zombie rows are skipped and counted."""
         now = t0 = time.perf_counter()
         sched = self.scheduler
+        sched.step = launch.plan.step  # finish and release times are this step's commit
         for seq, tok in zip(launch.seqs, tokens):
-            seq.inflight_refs -= 1
-            if seq.finalized:  # finished at an earlier commit, still in this step: a zombie
-                seq.zombie_rows += 1
+            if not commit_row(seq, tok):  # a zombie: finished at an earlier commit
                 self.zombie_rows += 1
                 sched.release_if_done(seq)
                 continue
-            seq.output_ids.append(tok)
             seq.token_times_s.append(now - seq.arrival_s)
             if seq.first_token_s is None:
                 seq.first_token_s = now - seq.arrival_s

@@ -77,5 +77,23 @@ class Sequence:
 
     @property
     def can_release(self) -> bool:
-        """The release rule: finalized, no launched step still references it, not yet released."""
-        return self.finalized and self.inflight_refs == 0 and not self.released
+        """The release rule (see `can_release` below)."""
+        return can_release(self)
+
+
+def can_release(seq) -> bool:
+    """The release rule: finalized, no launched step still references it, not yet released."""
+    return seq.finalized and seq.inflight_refs == 0 and not seq.released
+
+
+def commit_row(seq, token: int) -> bool:
+    """One row of a commit: drop the step's reference; skip and count a zombie; else append.
+
+    Returns True when the token was appended (the sequence was still live).
+    """
+    seq.inflight_refs -= 1  # this step no longer references the sequence, zombie or not
+    if seq.finalized:  # ended at an earlier commit, still a row of this step: a zombie
+        seq.zombie_rows += 1
+        return False
+    seq.output_ids.append(token)
+    return True

@@ -94,11 +94,11 @@ class Timeline:
         return 1.0 - self.busy("compute") / self.wall if self.wall > 0 else 0.0
 
     def per_step(self) -> dict[str, float]:
-        """Mean host and device seconds per step (device: forward + sample)."""
+        """Mean host work and device seconds per step (host: not counting waits)."""
         steps = {s.step for s in self.spans if s.lane == "compute"}
         n = max(1, len(steps))
-        return {"host_s": self.busy("host") / n, "device_s": self.busy("compute") / n,
-                "steps": len(steps)}
+        host = union_length([(s.t0, s.t1) for s in self.lane("host") if s.label != "wait"])
+        return {"host_s": host / n, "device_s": self.busy("compute") / n, "steps": len(steps)}
 
     def plot(self, ax=None, title: str = "", window: tuple[int, int] | None = None):
         """A Gantt chart of the three lanes, device idle time shaded; returns the axes."""

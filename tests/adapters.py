@@ -25,44 +25,9 @@ def stub(module: str, name: str) -> Callable:
     return getattr(importlib.import_module(f"exercises.{module}"), name)
 
 
-def _labkit_commit_row(seq, token: int) -> bool:
-    """labkit's zombie rule: the loop of `Engine.commit` run on a one-row launch.
-
-    labkit has no per-row function yet, so this drives the real `Engine.commit` on a real
-    `Sequence` in the same state, with a stand-in engine whose stop check never ends the
-    sequence and whose scheduler releases nothing (the graders test the row rule alone).
-    """
-    from types import SimpleNamespace
-
-    from labkit.engine import Engine
-    from labkit.sampling import SamplingParams
-    from labkit.sequence import Sequence
-
-    real = Sequence(0, [0], SamplingParams(), max_new_tokens=1 << 30, finalized=seq.finalized,
-                    inflight_refs=seq.inflight_refs, output_ids=list(seq.output_ids),
-                    zombie_rows=seq.zombie_rows)
-    host = SimpleNamespace(
-        scheduler=SimpleNamespace(release_if_done=lambda s: False, finalize=lambda s, r: None),
-        zombie_rows=0, eos_id=None, on_text=None, extra_host_work_s=0.0,
-        _span=lambda *args: None, _stop_reason=lambda s, t: None)
-    Engine.commit(host, SimpleNamespace(seqs=[real]), [token])
-    seq.inflight_refs, seq.zombie_rows = real.inflight_refs, real.zombie_rows
-    seq.output_ids[:] = real.output_ids
-    return host.zombie_rows == 0
-
-
-def _labkit_can_release(seq) -> bool:
-    """labkit's release rule: `Sequence.can_release` of a Sequence in the same state."""
-    from labkit.sampling import SamplingParams
-    from labkit.sequence import Sequence
-
-    return Sequence(0, [0], SamplingParams(), 1, finalized=seq.finalized,
-                    inflight_refs=seq.inflight_refs, released=seq.released).can_release
-
-
 def solutions() -> dict[str, Callable]:
     """Exercise name -> the function the graders check (learner's or labkit's)."""
-    from labkit import model, roofline, sampling
+    from labkit import model, roofline, sampling, sequence
 
     return {
         # chapter 00
@@ -76,6 +41,6 @@ def solutions() -> dict[str, Callable]:
         "decode_step_bytes": pick("ch01_roofline", "decode_step_bytes",
                                   roofline.decode_step_bytes),
         # chapter 07
-        "commit_row": pick("ch07_pipelined", "commit_row", _labkit_commit_row),
-        "can_release": pick("ch07_pipelined", "can_release", _labkit_can_release),
+        "commit_row": pick("ch07_pipelined", "commit_row", sequence.commit_row),
+        "can_release": pick("ch07_pipelined", "can_release", sequence.can_release),
     }

@@ -1,0 +1,316 @@
+"""The benchmarks behind the course's tables: `python -m labkit bench SUB ...`.
+
+`bench generate` answers the first question anyone asks of a hand-written engine: is it any
+faster than `transformers`? Both generate for the same 32 chat requests (varied instructions,
+`max_new_tokens` cycling 16, 32, ... 96), greedy, fp32, with the same torch thread count, in the
+same process, and the two are timed alternately after a warm-up of each, so that a machine
+shared with other work slows both alike. Throughput is generated tokens / wall seconds.
+
+What makes the comparison fair, and where it leans:
+
+- **The same tokens.** Each request produces exactly its `max_new_tokens`: labkit with
+  `SamplingParams(ignore_eos=True)`, transformers with `min_new_tokens=max_new_tokens` (which
+  masks EOS until then). An EOS that labkit samples counts as a token; transformers picks the
+  next best instead, so their texts may part there, but the work is the same.
+- **transformers' batching, at its best.** `generate` cannot retire a row early: a batch runs as
+  long as its longest request, and a shorter row's extra tokens are wasted. A user has two
+  honest ways to batch the 32 requests: one left-padded batch per distinct `max_new_tokens`
+  (no waste, smaller batches), or one left-padded batch of all 32 run to the longest (full
+  batch, wasted rows). Both are measured; `hf_tok_s` is the better of the two, counting only
+  the tokens requested.
+- **labkit does more host work**: it detokenizes every token as it streams (transformers
+  returns ids), checks stop conditions, and schedules continuously (a request leaves the batch
+  the step it finishes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# 32 short, varied instructions: the prompts of `bench generate` (each wrapped in the chat
+# template, so 30-45 tokens)
+INSTRUCTIONS = [
+    "Explain why the sky is blue.",
+    "Write a haiku about autumn leaves.",
+    "List three uses for a paperclip.",
+    "What is a prime number? Give an example.",
+    "Describe the water cycle in simple terms.",
+    "Suggest a name for a friendly robot.",
+    "How do bees make honey?",
+    "Give me a tip for learning a new language.",
+    "What is the difference between weather and climate?",
+    "Write a short thank-you note to a teacher.",
+    "Explain what a hash map is to a beginner.",
+    "Why do cats purr?",
+    "Summarize the plot of Cinderella in two sentences.",
+    "What are the three states of matter?",
+    "Give a recipe idea using rice and eggs.",
+    "How does a rainbow form?",
+    "Write a limerick about a programmer.",
+    "What causes the seasons on Earth?",
+    "Name five animals that live in the ocean.",
+    "Explain gravity to a ten-year-old.",
+    "What is photosynthesis?",
+    "Give three tips for better sleep.",
+    "Describe a quiet morning in a small town.",
+    "What does a compiler do?",
+    "Why is exercise good for the brain?",
+    "Write a two-line poem about the moon.",
+    "How do airplanes stay in the air?",
+    "What is the capital of Japan, and what is it known for?",
+    "Explain recursion with a simple example.",
+    "Give a fun fact about octopuses.",
+    "How should I prepare for a job interview?",
+    "What is the Pythagorean theorem?",
+]
+OUTPUT_LENGTHS = (16, 32, 48, 64, 80, 96)  # max_new_tokens of request i: OUTPUT_LENGTHS[i % 6]
+QUICK_LENGTHS = (4, 8, 12, 16)  # --quick: 8 requests, shorter outputs
+HF_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# ---------------------------------------------------------------------------------------------
+# the transformers reference model
+
+
+def hf_reference_model(dtype: torch.dtype = torch.float32):
+    """transformers' own SmolLM2 from the packaged GGUF (its dequantization, not labkit's).
+
+    `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` takes ~40 s on two cores (it
+    parses the GGUF twice), so its result is saved once as plain safetensors next to labkit's
+    cache entry for the same file, and later calls load that in under a second.
+    """
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    from labkit.loading import _build_atomically, _cache_entry, packaged_gguf
+
+    gguf = packaged_gguf()
+    entry = _cache_entry(gguf) / "hf-reference"
+
+    def build(tmp: Path) -> None:
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                      dtype=torch.float32)
+        except ValueError as err:
+            if "accelerate" in str(err):
+                raise RuntimeError("transformers reads GGUF files only with `accelerate` "
+                                   "installed: .venv/bin/pip install accelerate") from err
+            raise
+        config = hf.config.to_dict()
+        config.pop("quantization_config", None)  # the weights are saved dequantized, in fp32
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        hf.generation_config.save_pretrained(tmp)
+        save_model(hf, str(tmp / "model.safetensors"))  # handles the tied embedding / head
+
+    _build_atomically(entry, build)
+    return AutoModelForCausalLM.from_pretrained(entry, dtype=dtype, local_files_only=True).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# bench generate
+
+
+def chat_workload(tok, n: int, lengths: tuple[int, ...] = OUTPUT_LENGTHS
+                  ) -> list[tuple[list[int], int]]:
+    """(chat prompt ids, max_new_tokens) for the first `n` instructions."""
+    if not 1 <= n <= len(INSTRUCTIONS):
+        raise ValueError(f"streams must be in 1..{len(INSTRUCTIONS)}, got {n}")
+    return [(tok.encode(INSTRUCTIONS[i], chat=True), lengths[i % len(lengths)])
+            for i in range(n)]
+
+
+def run_labkit(engine, work: list[tuple[list[int], int]]) -> tuple[float, int, list[list[int]]]:
+    """All requests through the engine at once: (seconds, tokens, output ids per request)."""
+    import labkit
+
+    params = [labkit.SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in work]
+    t0 = time.perf_counter()
+    outs = labkit.generate([ids for ids, _ in work], params, engine=engine)
+    seconds = time.perf_counter() - t0
+    engine.check_all_released()
+    return seconds, sum(len(o.output_ids) for o in outs), [o.output_ids for o in outs]
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input ids and attention mask, as transformers' batched generate wants."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # ids: [B, W]
+    mask = torch.zeros(len(rows), width, dtype=torch.long)  # mask: [B, W], 1 on real tokens
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+@torch.inference_mode()
+def run_hf(hf, work: list[tuple[list[int], int]], pad_id: int, batching: str
+           ) -> tuple[float, int, list[list[int]]]:
+    """transformers' generate: (seconds, requested tokens, output ids per request).
+
+    batching="grouped": one batch per distinct max_new_tokens; "padded": one batch of all,
+    run to the longest (a shorter request's extra tokens are generated, then discarded).
+    """
+    if batching == "grouped":
+        groups: dict[int, list[int]] = {}
+        for i, (_, n) in enumerate(work):
+            groups.setdefault(n, []).append(i)
+        batches = [(n, rows) for n, rows in groups.items()]
+    elif batching == "padded":
+        batches = [(max(n for _, n in work), list(range(len(work))))]
+    else:
+        raise ValueError(f"batching must be 'grouped' or 'padded', got {batching!r}")
+    outputs: list[list[int]] = [[] for _ in work]
+    t0 = time.perf_counter()
+    for n, rows in batches:
+        ids, mask = _left_pad([work[i][0] for i in rows], pad_id)
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                          min_new_tokens=n, do_sample=False, pad_token_id=pad_id)
+        for j, i in enumerate(rows):  # out: [B, W + n]
+            outputs[i] = out[j, ids.shape[1]:ids.shape[1] + work[i][1]].tolist()
+    seconds = time.perf_counter() - t0
+    return seconds, sum(n for _, n in work), outputs
+
+
+def _agree_until_eos(ours: list[int], theirs: list[int], eos: int) -> bool:
+    """Same tokens up to labkit's first EOS (after it, transformers was made to go on)."""
+    cut = ours.index(eos) if eos in ours else len(ours)
+    return ours[:cut] == theirs[:cut]
+
+
+def bench_generate(streams: int = 32, threads: int | None = None, model: str = "smollm2-135m",
+                   quick: bool = False, rounds: int = 1, log: Callable[[str], None] = print
+                   ) -> dict:
+    """labkit against transformers on the same requests; throughput of each and the ratio."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    import labkit
+    from labkit.loading import load_model
+
+    hf_logging.set_verbosity_error()  # generate() warns about its own defaults; not ours to fix
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    if quick:
+        streams = min(streams, 8)
+    m, tok = load_model(model)
+    if model == "smollm2-135m":
+        hf = hf_reference_model()
+    elif Path(model).is_dir():
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32,
+                                                  local_files_only=True).eval()
+    else:
+        raise ValueError(f"bench generate compares against transformers: --model must be "
+                         f"smollm2-135m or a Hugging Face checkpoint directory, got {model!r}")
+    pad_id = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else tok.eos_id
+    work = chat_workload(tok, streams, QUICK_LENGTHS if quick else OUTPUT_LENGTHS)
+    engine = labkit.Engine(m, tok, max_seqs=max(streams, 1))
+
+    warm = [(ids, 4) for ids, _ in work[:2]]  # first calls pay for allocation and dispatch
+    run_labkit(engine, warm)
+    run_hf(hf, warm, pad_id, "grouped")
+    totals = {"labkit": [0.0, 0], "grouped": [0.0, 0], "padded": [0.0, 0]}
+    outputs = {}
+    for r in range(rounds):
+        # alternate which goes first, so slow drift on a shared machine hits both alike
+        order = ("labkit", "grouped", "padded") if r % 2 == 0 else ("padded", "grouped", "labkit")
+        for who in order:
+            if who == "labkit":
+                s, n, outs = run_labkit(engine, work)
+            else:
+                s, n, outs = run_hf(hf, work, pad_id, who)
+            totals[who][0] += s
+            totals[who][1] += n
+            outputs[who] = outs
+            log(f"  round {r + 1}: {who:<7} {n} tokens in {s:6.2f} s = {n / s:7.1f} tok/s")
+    rate = {who: n / s for who, (s, n) in totals.items()}
+    hf_best = max(("grouped", "padded"), key=rate.get)
+    agree = sum(_agree_until_eos(a, b, tok.eos_id)
+                for a, b in zip(outputs["labkit"], outputs["grouped"]))
+    return {
+        "labkit_tok_s": rate["labkit"], "hf_tok_s": rate[hf_best],
+        "ratio": rate["labkit"] / rate[hf_best], "streams": streams, "threads": threads,
+        "tokens": totals["labkit"][1] // rounds, "rounds": rounds, "hf_batching": hf_best,
+        "hf_grouped_tok_s": rate["grouped"], "hf_padded_tok_s": rate["padded"],
+        "same_greedy_tokens": f"{agree}/{streams}", "model": model,
+        "torch": torch.__version__,
+    }
+
+
+def generate_main(argv: list[str]) -> int:
+    """`python -m labkit bench generate`: labkit's engine against transformers' generate."""
+    p = argparse.ArgumentParser(prog="python -m labkit bench generate",
+                                description="labkit against transformers' generate on the same "
+                                            "chat requests (greedy, same thread count).")
+    p.add_argument("--streams", type=int, default=32, help=f"requests (1..{len(INSTRUCTIONS)})")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"torch threads for both (default {torch.get_num_threads()})")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m or a Hugging Face checkpoint directory")
+    p.add_argument("--rounds", type=int, default=1, help="timed runs of each, alternating")
+    p.add_argument("--quick", action="store_true", help="8 requests, 4-16 new tokens each")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = p.parse_args(argv)
+    if not 1 <= args.streams <= len(INSTRUCTIONS):
+        p.error(f"--streams must be in 1..{len(INSTRUCTIONS)}")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    log = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    log(f"bench generate: {args.streams if not args.quick else min(args.streams, 8)} requests, "
+        f"greedy, {args.threads or torch.get_num_threads()} torch threads, "
+        f"{os.cpu_count()} cores")
+    try:
+        res = bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds, log)
+    except (ValueError, RuntimeError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"labkit        {res['labkit_tok_s']:8.1f} tok/s\n"
+              f"transformers  {res['hf_tok_s']:8.1f} tok/s  ({res['hf_batching']} batching; "
+              f"grouped {res['hf_grouped_tok_s']:.1f}, padded {res['hf_padded_tok_s']:.1f})\n"
+              f"ratio         {res['ratio']:8.2f}x  (labkit / transformers, {res['streams']} "
+              f"streams, {res['threads']} threads; greedy tokens identical for "
+              f"{res['same_greedy_tokens']} requests)")
+    return 0
+
+
+def decode_main(argv: list[str]) -> int:
+    """`python -m labkit bench decode`: blocking against pipelined decoding."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("labkit.bench_decode") is None:
+        print("bench decode: not available yet", file=sys.stderr)
+        return 2
+    return int(importlib.import_module("labkit.bench_decode").main(argv) or 0)
+
+
+SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "generate": (generate_main, "labkit against transformers' generate, tokens/s"),
+    "decode": (decode_main, "blocking against pipelined decoding, ms per step"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch `python -m labkit bench SUB ...`; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        usage = "usage: python -m labkit bench SUB [ARGS ...]\n\nbenchmarks:\n" + "\n".join(
+            f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items())
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"{usage}\n\nerror: unknown benchmark {argv[0]!r}", file=sys.stderr)
+            return 2
+        print(usage)
+        return 0
+    return int(SUBCOMMANDS[argv[0]][0](argv[1:]) or 0)
