@@ -55,7 +55,7 @@ def generate(prompts, params: SamplingParams | list[SamplingParams] | None = Non
         if isinstance(prompt, str):
             if engine.tokenizer is None:
                 raise RequestError("this engine has no tokenizer: pass token ids")
-            if not prompt.strip() and not chat:
+            if not prompt.strip():
                 raise RequestError(f"prompt {i} is empty")
             ids = engine.tokenizer.encode(prompt, chat=chat)
         else:

@@ -358,7 +358,10 @@ def from_hf(source: str | Path | nn.Module, dtype: torch.dtype = torch.float32) 
         # copy: the labkit model must not share storage with the transformers one
         state[rename[hname]] = w.to(dtype=dtype, copy=True)
     if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)  # tied checkpoints may store the head anyway
+        # tied checkpoints may store the shared matrix as the head, the embedding, or both
+        head = state.pop("lm_head.weight", None)
+        if head is not None:
+            state.setdefault("embed.weight", head)
     return _assemble(cfg, state)
 
 
@@ -402,8 +405,12 @@ class IncrementalDetokenizer:
 class Tokenizer:
     """Text <-> token ids: a transformers fast tokenizer plus the ids the engine needs."""
 
-    def __init__(self, hf, eos_id: int | None = None, bos_id: int | None = None):
+    def __init__(self, hf, eos_id: int | None = None, bos_id: int | None = None,
+                 fold_to: int | None = None):
         self.hf = hf  # a transformers PreTrainedTokenizerFast
+        # a model that knows only the first `fold_to` ids (the random `tiny`): encode folds the
+        # others into range; with random weights only a prompt's length matters
+        self.fold_to = fold_to
         eos = hf.eos_token_id if eos_id is None else eos_id
         if eos is None:
             raise ValueError("tokenizer has no end-of-sequence token: pass eos_id=... so that "
@@ -420,13 +427,15 @@ class Tokenizer:
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of `text`; with chat=True, wrapped as one user turn of the chat template."""
         if not chat:
-            return list(self.hf.encode(text))
-        if not self.hf.chat_template:
-            raise ValueError("this tokenizer has no chat template: call encode(text) without "
-                             "chat=True, or load an instruct model")
-        prompt = self.hf.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=False)
-        return list(self.hf.encode(prompt, add_special_tokens=False))  # the template has them
+            ids = list(self.hf.encode(text))
+        else:
+            if not self.hf.chat_template:
+                raise ValueError("this tokenizer has no chat template: call encode(text) "
+                                 "without chat=True, or load an instruct model")
+            prompt = self.hf.apply_chat_template([{"role": "user", "content": text}],
+                                                 add_generation_prompt=True, tokenize=False)
+            ids = list(self.hf.encode(prompt, add_special_tokens=False))  # template has them
+        return ids if self.fold_to is None else [t % self.fold_to for t in ids]
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
         """Text of `ids`, special tokens skipped."""
@@ -498,7 +507,10 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.fl
         cfg = (ModelConfig.tiny(vocab_size=TINY_VOCAB) if name_or_path == "tiny"
                else ModelConfig.smollm2_135m().with_(name="smollm2-135m-random"))
         model = init_random(LlamaModel(cfg), seed=0)
-        return model.to(dtype).eval().requires_grad_(False), smollm2_tokenizer()
+        tok = smollm2_tokenizer()
+        if cfg.vocab_size < tok.vocab_size:  # a copy that folds prompt ids into tiny's range
+            tok = Tokenizer(tok.hf, tok.eos_id, tok.bos_id, fold_to=cfg.vocab_size)
+        return model.to(dtype).eval().requires_grad_(False), tok
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return from_gguf(path, dtype), tokenizer_from_gguf(path)

@@ -276,6 +276,8 @@ def test_smollm2_cached_load_is_fast(smollm2, monkeypatch):
 def test_tiny_preset_has_real_tokenizer_and_seeded_weights():
     model, tok = load_model("tiny")
     assert model.cfg == ModelConfig.tiny(vocab_size=TINY_VOCAB)  # SmolLM2's first tokens
+    ids = tok.encode("Say hello to SmolLM, trained by Hugging Face", chat=True)
+    assert ids and max(ids) < TINY_VOCAB  # prompt ids are folded into the model's range
     assert tok.eos_id == 2
     assert_same_weights(model, load_model("tiny")[0])
 
