@@ -162,8 +162,12 @@ class Engine:
 
     def launch(self, launch: Launch, slot: int) -> None:
         """Hand a step to the device; every sequence in it gains an in-flight reference."""
-        for s in launch.seqs:
+        alloc, bs, plan = self.scheduler.allocator, self.scheduler.block_size, launch.plan
+        for s, start, n in zip(launch.seqs, plan.starts, plan.query_lens):
             assert not s.released, f"request {s.request_id} launched after release"
+            # the pages this step writes must be owned: a free page may already be someone's
+            alloc.check_writable(s.block_table[start // bs:(start + n - 1) // bs + 1])
+        for s in launch.seqs:  # checked first, so a refused launch changes nothing
             s.inflight_refs += 1
         launch.slot = slot
         launch.launched_s = time.perf_counter()

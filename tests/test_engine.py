@@ -144,3 +144,13 @@ def test_random_workloads_release_everything(requests, pool_pages):
         s = e.seqs[rid]
         assert s.released and s.inflight_refs == 0
         assert len(s.output_ids) <= s.max_new_tokens
+
+
+def test_a_step_writing_a_free_page_is_stopped_before_launch():
+    e = engine(kv_tokens=64, block_size=8)
+    rid = e.submit([5] * 3, SamplingParams(max_new_tokens=4))
+    (seq,) = e.scheduler.admit()
+    e.scheduler.allocator.free(seq.block_table)  # a bug elsewhere freed its pages
+    with pytest.raises(RuntimeError, match=f"KV page {seq.block_table[0]} written while free"):
+        e.launch(e.plan_prefill([seq]), slot=0)
+    assert e.seqs[rid].inflight_refs == 0
