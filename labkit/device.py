@@ -153,6 +153,7 @@ def _device_main(model, runner_args, threads, compute_rx, copy_rx, copy_done, ho
         return
     logits: list[torch.Tensor | None] = [None] * NUM_SLOTS
     tokens: list[torch.Tensor | None] = [None] * NUM_SLOTS
+    plans: list[StepPlan | None] = [None] * NUM_SLOTS  # sent once, with the forward
     sampled = [threading.Event() for _ in range(NUM_SLOTS)]  # the compute stream's events
     masks: dict[int, torch.Tensor] = {}  # constraint masks, cached by the host's key
     vocab = model.cfg.vocab_size
@@ -175,8 +176,10 @@ def _device_main(model, runner_args, threads, compute_rx, copy_rx, copy_done, ho
                 t0 = time.perf_counter()
                 op, slot, plan, allowed = cmd
                 if op == "forward":
+                    plans[slot] = plan
                     logits[slot] = runner.forward(plan)
                 else:
+                    plan = plans[slot]
                     for key, packed in (allowed or {}).values():
                         if packed is not None:  # first use of this mask: unpack and keep it
                             bits = np.unpackbits(np.frombuffer(packed, np.uint8))[:vocab]
@@ -298,7 +301,8 @@ class ProcessDevice(Device):
                     import numpy as np
                     packed[row] = (key, np.packbits(mask.numpy()).tobytes())
         self._slot_step[slot] = plan.step
-        self._send(self._compute, ("sample", slot, plan, packed))
+        # the device kept the slot's plan from the forward: only the masks travel
+        self._send(self._compute, ("sample", slot, None, packed))
 
     def launch_copy(self, slot: int) -> None:
         self._send(self._copy, (slot, self._slot_step[slot]))
