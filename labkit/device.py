@@ -158,12 +158,13 @@ def _device_main(model, runner_args, threads, compute_rx, copy_rx, copy_done, ho
     masks: dict[int, torch.Tensor] = {}  # constraint masks, cached by the host's key
     vocab = model.cfg.vocab_size
 
+    trace_np, trace_n_np = trace.numpy(), trace_n.numpy()  # views of the shared memory
+
     def record(lane: int, op: int, step: int, t0: float, t1: float) -> None:
         # t1 is taken before the event is set: once it is, the other stream and the host run,
         # and a span ended after that would swallow their time
-        i = int(trace_n[lane]) % _TRACE_CAP
-        trace[lane, i] = torch.tensor([op, step, t0, t1], dtype=torch.float64)
-        trace_n[lane] += 1
+        trace_np[lane, trace_n_np[lane] % _TRACE_CAP] = (op, step, t0, t1)
+        trace_n_np[lane] += 1
 
     def fail() -> None:
         errors.put(traceback.format_exc())
