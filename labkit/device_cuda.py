@@ -64,6 +64,7 @@ class DecodeGraphs:
             return r.model(r.last_tokens[rows], meta.positions, r.backend,
                            logit_rows=meta.last_rows)
 
+        torch.cuda.synchronize()  # the buffers above were made on the default stream
         with torch.cuda.stream(self.stream):
             for _ in range(2):  # warm up (allocations, kernel selection) before capturing
                 step()
@@ -90,7 +91,9 @@ class DecodeGraphs:
         pad = key[0] - b
         width = tables.shape[1]
         scratch = self.scratch_page
-        host_tables = [t + [scratch] * (width - len(t)) for t in plan.block_tables]
+        # a table may hold pages reserved for tokens to come: the bucket needs only `width`
+        host_tables = [t[:width] + [scratch] * (width - len(t[:width]))
+                       for t in plan.block_tables]
         host_tables += [[scratch] * width] * pad
         # fill the graph's input buffers (pinned staging, asynchronous), then replay
         rows.copy_(r.to_device(plan.rows + [0] * pad), non_blocking=True)
