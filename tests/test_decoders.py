@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 
 from labkit.constraints import ConstraintError, Vocab, parse_constraint
 from labkit.engine import Engine
@@ -222,3 +223,9 @@ def test_timeline_shows_the_bubble_shrink():
         assert {s.lane for s in tl.spans} >= {"host", "compute"}
         assert 0.0 <= tl.bubble_fraction() < 1.0
         assert tl.per_step()["steps"] >= 6
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on CPU-only machines")
+def test_cuda_device_without_a_gpu_says_what_to_use():
+    with pytest.raises(RuntimeError, match="device='process'"):
+        Engine(MODEL, None, kv_tokens=64, block_size=8, max_seqs=2, device="cuda")
