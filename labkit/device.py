@@ -18,8 +18,10 @@ device, used by the early notebooks and for debugging.
 
 from __future__ import annotations
 
+import queue
 import time
 
+import numpy as np
 import torch
 
 from labkit.runner import ModelRunner, StepPlan
@@ -138,10 +140,7 @@ def _device_main(model, runner_args, threads, compute_rx, copy_rx, copy_done, ho
                  trace, trace_n, errors) -> None:
     """The device process: one thread per stream, each running its commands in order."""
     import threading
-    import time
     import traceback
-
-    import numpy as np
 
     torch.set_num_threads(threads)
     try:
@@ -257,7 +256,6 @@ class ProcessDevice(Device):
         self._trace_read = [0, 0]
         self._slot_step = [0] * NUM_SLOTS
         self._closed = False
-        import queue
         try:
             err = self._errors.get(timeout=start_timeout_s)
         except queue.Empty:
@@ -275,7 +273,6 @@ class ProcessDevice(Device):
             self._raise_dead()
 
     def _raise_dead(self) -> None:
-        import queue
         try:
             err = self._errors.get_nowait()
         except queue.Empty:
@@ -299,7 +296,6 @@ class ProcessDevice(Device):
                     packed[row] = (key, None)
                 else:  # keep the tensor alive so its id stays unique
                     self._mask_keys[key] = mask
-                    import numpy as np
                     packed[row] = (key, np.packbits(mask.numpy()).tobytes())
         self._slot_step[slot] = plan.step
         # the device kept the slot's plan from the forward: only the masks travel

@@ -1,11 +1,14 @@
 """The engine: requests in, completions out; the step pieces every decoder shares.
 
 An `Engine` holds one model on one device with its scheduler and tokenizer. The decoders
-(`decode_blocking`, `decode_pipelined`) are loops over the same four pieces defined here:
+(`decode_blocking`, `decode_pipelined`) are loops over the same pieces defined here:
 
-- `plan_prefill(seqs)` / `plan_decode(seqs)`: what the next launch computes;
-- `launch(launch)`: count the step in each sequence's `inflight_refs` and hand it to the device;
-- `allowed(launch)`: per-row constrained-decoding masks, from each sequence's state *now*;
+- `plan_prefill(seqs)` / `plan_decode(seqs, pending)`: what the next launch computes;
+- `launch(launch, slot)`: count the step in each sequence's `inflight_refs`, hand its forward
+  to the device into decode slot `slot`;
+- `finish_sampling(launch)`: masks from each sequence's constraint state *now* (`allowed`),
+  sample on the device, start the copy of the tokens to the host;
+- `wait_tokens(launch)`: the host waits for that copy;
 - `commit(launch, tokens)`: append tokens, detokenize, check stop conditions, release.
 
 `labkit.generate(...)` is the one-call front door.

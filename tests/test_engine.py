@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -42,10 +43,10 @@ def mixed_params(n):
 
 def reference_greedy(prompt, n):
     """Greedy decoding by re-running the whole sequence each token: no cache at all."""
-    from tests.test_model_parity_tiny import full_forward_logits
+    from tests.test_model_parity import labkit_logits  # no cache, whole sequence each time
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(full_forward_logits(MODEL, ids)[-1].argmax()))
+        ids.append(int(labkit_logits(MODEL, [torch.tensor(ids)])[0][-1].argmax()))
     return ids[len(prompt):]
 
 
