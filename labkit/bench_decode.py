@@ -2,16 +2,22 @@
 
 For each stream count, the same requests (one short chat prompt per stream, `--tokens` new
 tokens each, greedy, run to length) are decoded by the blocking and the pipelined loop on the
-same device, alternating, `--repeats` times each; the median ms per decode step of each is
-reported in the shape of Photon's table. From the blocking run's timeline come the two terms of
-the cost model: T_device (the device's forward + sample per step) and T_host (everything else a
-blocking step costs: commit, plan, launch, and the round trip), so the pipeline can at best
-turn `T_host + T_device` into `max(T_host, T_device)`:
+same device *taking turns*: `--segment` steps of one, then as many of the other, until the
+requests are done, `--repeats` workloads in all. Each adjacent pair of turns is one sample, its
+ms per step measured in steady state (launch to launch); the table reports medians over the
+pairs, in the shape of Photon's table. Turns, not whole runs, because a shared machine changes
+speed within seconds: two runs a second apart can differ by more than the pipeline wins.
+
+From the blocking turn of each pair come the two terms of the cost model: T_device (the
+device's forward + sample per step) and T_host (everything else a blocking step costs: commit,
+plan, launch, and the round trip), so the pipeline can at best turn `T_host + T_device` into
+`max(T_host, T_device)`:
 
     predicted speedup = (T_host + T_device) / max(T_host, T_device)
 
-The zombie tax is the share of decode rows the pipelined loop ran for sequences that had
-already finished (one per sequence: 1/110 at one stream for 110-token sequences).
+"of predicted" is the median over pairs of measured speedup / predicted speedup. The zombie tax
+is the share of decode rows a whole pipelined run spent on sequences that had already finished
+(one per sequence: 1/110 at one stream for 110-token sequences).
 """
 
 from __future__ import annotations
@@ -68,8 +74,70 @@ def run_once(engine, prompt_ids: list[list[int]], tokens: int, decoder: str) -> 
             "timeline": tl}
 
 
-def bench_streams(engine, tok, streams: int, tokens: int, repeats: int) -> dict:
-    """One row of the table: blocking and pipelined at `streams` concurrent requests."""
+def steady_ms_per_step(timeline, skip: int = 2) -> tuple[float, float] | None:
+    """(wall ms, device ms) per decode step of one segment, in its steady state.
+
+    The period between consecutive decode launches, after the first `skip` periods: a
+    pipelined segment starts empty (its first step overlaps nothing) and needs two launches to
+    fill. Device ms: the compute spans of the steps those periods begin. None if the segment
+    is too short to have a steady state.
+    """
+    launches = [s.t0 for s in timeline.lane("host") if s.label == "decode"]
+    steps = [s.step for s in timeline.lane("host") if s.label == "decode"]
+    if len(launches) < skip + 2:
+        return None
+    periods = [b - a for a, b in zip(launches[skip:], launches[skip + 1:])]
+    counted = set(steps[skip:-1])
+    device = sum(s.duration for s in timeline.lane("compute") if s.step in counted)
+    n = len(periods)
+    return sum(periods) / n * 1e3, device / n * 1e3
+
+
+def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: int,
+                    blocking_first: bool) -> list[dict]:
+    """One workload, decoded by the two loops taking turns every `segment` steps.
+
+    This VM's cores change speed by up to 2x within seconds (other tenants), so whole runs
+    one after the other compare different machines. Turns of ~0.1 s put the two loops side
+    by side on the same machine state; each adjacent (blocking, pipelined) pair is one sample.
+    """
+    from labkit.sampling import SamplingParams
+    from labkit.timeline import Timeline
+
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    for ids in prompt_ids:
+        engine.submit(ids, params)
+    order = ("blocking", "pipelined") if blocking_first else ("pipelined", "blocking")
+    turns: list[tuple[str, tuple[float, float] | None]] = []
+    while not engine.scheduler.idle():
+        decoder = order[len(turns) % 2]
+        with Timeline.record(engine) as tl:
+            engine.run(decoder, max_steps=segment)
+        turns.append((decoder, steady_ms_per_step(tl)))
+    engine.check_all_released()
+    pairs = []
+    for a, b in zip(turns[::2], turns[1::2]):
+        (da, ma), (_, mb) = a, b
+        if ma is None or mb is None:
+            continue
+        blocking, pipelined = (ma, mb) if da == "blocking" else (mb, ma)
+        t_device = blocking[1]
+        t_host = max(blocking[0] - t_device, 0.0)
+        pairs.append({"blocking_ms": blocking[0], "pipelined_ms": pipelined[0],
+                      "t_device_ms": t_device, "t_host_ms": t_host,
+                      "speedup": blocking[0] / pipelined[0],
+                      "predicted_speedup": predicted_speedup(t_host, t_device)})
+    return pairs
+
+
+def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
+                  segment: int = 12) -> dict:
+    """One row of the table: blocking and pipelined at `streams` concurrent requests.
+
+    The timing comes from `repeats` workloads each decoded by the two loops in alternating
+    turns (`paired_segments`); every figure is the median over all pairs. One whole run of
+    each loop gives the timelines (for plots) and the zombie count.
+    """
     vocab = engine.model.cfg.vocab_size
     # `tiny` knows only SmolLM2's first tokens; its weights are random, so only a prompt's
     # length matters and out-of-range ids are folded into range
@@ -77,21 +145,30 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int) -> dict:
                   for i in range(streams)]
     run_once(engine, prompt_ids, min(tokens, 8), "pipelined")  # warm up both paths
     run_once(engine, prompt_ids, min(tokens, 8), "blocking")
-    runs: dict[str, list[dict]] = {"blocking": [], "pipelined": []}
-    for _ in range(repeats):  # alternate, so drift on a shared machine hits both alike
-        for decoder in ("blocking", "pipelined"):
-            runs[decoder].append(run_once(engine, prompt_ids, tokens, decoder))
-    blocking = statistics.median(r["ms"] for r in runs["blocking"])
-    pipelined = statistics.median(r["ms"] for r in runs["pipelined"])
-    t_device = statistics.median(r["device_ms"] for r in runs["blocking"])
-    t_host = max(blocking - t_device, 0.0)
-    last = runs["pipelined"][-1]
+    whole = {d: run_once(engine, prompt_ids, tokens, d) for d in ("blocking", "pipelined")}
+    pairs = []
+    for r in range(repeats):  # who goes first alternates too, so drift favours neither
+        pairs += paired_segments(engine, prompt_ids, tokens, segment, r % 2 == 0)
+    if not pairs:
+        raise ValueError(f"--tokens {tokens} is too few to time: each turn of {segment} steps "
+                         "needs a steady state of at least one step after two to fill")
+
+    def mean(key):
+        return statistics.fmean(p[key] for p in pairs)
+
+    # means over pairs (not medians), so that the row is self-consistent: speedup is exactly
+    # blocking / pipelined, the prediction exactly the cost model of the T_host and T_device shown
+    blocking, pipelined, t_device = mean("blocking_ms"), mean("pipelined_ms"), mean("t_device_ms")
+    t_host = blocking - t_device
+    last = whole["pipelined"]
     return {
         "streams": streams, "blocking_ms": blocking, "pipelined_ms": pipelined,
         "speedup": blocking / pipelined, "t_host_ms": t_host, "t_device_ms": t_device,
         "predicted_speedup": predicted_speedup(t_host, t_device),
+        "of_predicted": blocking / pipelined / predicted_speedup(t_host, t_device),
+        "pairs": len(pairs),
         "zombie_rows": last["zombie_rows"], "zombie_tax": last["zombie_rows"] / last["rows"],
-        "timelines": {d: runs[d][-1]["timeline"] for d in runs},
+        "timelines": {d: whole[d]["timeline"] for d in whole},
     }
 
 
@@ -104,18 +181,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", choices=("auto", "process", "cuda", "inprocess"),
                    default="auto", help="auto: cuda when present, else the simulated process")
     p.add_argument("--tokens", type=int, default=110, help="new tokens per request")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="workloads timed per row")
+    p.add_argument("--segment", type=int, default=12,
+                   help="steps per turn before the other decoder takes over")
     p.add_argument("--extra-host-ms", type=float, default=0.0,
                    help="WHAT-IF: add this much pure-Python host work to every commit")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     args = p.parse_args(argv)
     try:
         streams = [int(s) for s in args.streams.split(",")]
-        if any(s < 1 for s in streams) or args.tokens < 1 or args.repeats < 1:
+        if any(s < 1 for s in streams) or args.repeats < 1:
             raise ValueError
     except ValueError:
         print(f"error: --streams must be positive integers like 1,32 (got {args.streams!r}); "
-              "--tokens and --repeats must be >= 1", file=sys.stderr)
+              "--repeats must be >= 1", file=sys.stderr)
+        return 2
+    if args.segment < 4 or args.tokens < args.segment + 1:
+        print(f"error: --segment must be >= 4 (got {args.segment}) and --tokens at least "
+              f"--segment + 1 (got {args.tokens}): a turn needs two steps to fill the "
+              "pipeline and more to time", file=sys.stderr)
         return 2
     from labkit.engine import Engine
     from labkit.loading import load_model
@@ -136,7 +220,8 @@ def main(argv: list[str]) -> int:
     hardware = (torch.cuda.get_device_name(0) if device == "cuda"
                 else engine.device.name)
     try:
-        rows = [bench_streams(engine, tok, s, args.tokens, args.repeats) for s in streams]
+        rows = [bench_streams(engine, tok, s, args.tokens, args.repeats, args.segment)
+                for s in streams]
     finally:
         engine.close()
     for r in rows:
@@ -148,16 +233,19 @@ def main(argv: list[str]) -> int:
             print(json.dumps(r))
         return 0
     print(f"{'hardware':<34} {'streams':>7} {'blocking ms':>11} {'pipelined ms':>12} "
-          f"{'speedup':>8} {'T_host':>7} {'T_dev':>7} {'predicted':>9} {'zombie tax':>10}")
+          f"{'speedup':>8} {'T_host':>7} {'T_dev':>7} {'predicted':>9} {'of pred.':>8} "
+          f"{'zombie tax':>10}")
     for r in rows:
         print(f"{r['device'][:34]:<34} {r['streams']:>7} {r['blocking_ms']:>11.2f} "
               f"{r['pipelined_ms']:>12.2f} {100 * (r['speedup'] - 1):>+7.1f}% "
               f"{r['t_host_ms']:>7.2f} {r['t_device_ms']:>7.2f} "
-              f"{100 * (r['predicted_speedup'] - 1):>+8.1f}% {100 * r['zombie_tax']:>9.2f}%")
+              f"{100 * (r['predicted_speedup'] - 1):>+8.1f}% {100 * r['of_predicted']:>7.0f}% "
+              f"{100 * r['zombie_tax']:>9.2f}%")
     for hw, s, b, pl, gain in PHOTON:
         print(f"{'Photon ' + hw + ' (published)':<34} {s:>7} {b:>11.2f} {pl:>12.2f} "
               f"{gain:>+7.1f}%")
-    note = (f"model {args.model}, {args.tokens} tokens per request, median of {args.repeats}; "
+    note = (f"model {args.model}, {args.tokens} tokens per request; medians over "
+            f"{', '.join(str(r['pairs']) for r in rows)} pairs of {args.segment}-step turns; "
             f"zombie tax = decode rows run for finished sequences (Photon: ~1% at 1 stream)")
     if args.extra_host_ms:
         note += f"; WHAT-IF: +{args.extra_host_ms} ms of artificial host work per commit"

@@ -19,19 +19,22 @@ def step_blocking(engine: Engine, launch: Launch) -> None:
     engine.commit(launch, tokens)  # ...to the next launch: the bubble
 
 
-def run_blocking(engine: Engine) -> None:
-    """Run until every request has finished."""
+def run_blocking(engine: Engine, max_steps: int | None = None) -> None:
+    """Run until every request has finished (or until `max_steps` launches have run)."""
     sched = engine.scheduler
-    while True:
+    launched = 0
+    while max_steps is None or launched < max_steps:
         engine.between_steps()
         if sched.idle():
             return
         admitted = sched.admit()
         if admitted:
             step_blocking(engine, engine.plan_prefill(admitted))
+            launched += 1
         live = sched.live()
         if live:
             step_blocking(engine, engine.plan_decode(live))
+            launched += 1
         elif not admitted and sched.waiting and not sched.running:
             raise RuntimeError("scheduler stuck: requests wait but nothing runs "
                                "(a request larger than the pool was not refused at submit)")

@@ -37,18 +37,25 @@ def plan_next(engine: Engine, prev: Launch | None) -> Launch | None:
     return engine.plan_decode(live, pending=[1 if id(s) in pending else 0 for s in live])
 
 
-def run_pipelined(engine: Engine) -> None:
-    """Run until every request has finished, one step always in flight."""
+def run_pipelined(engine: Engine, max_steps: int | None = None) -> None:
+    """Run until every request has finished, one step always in flight.
+
+    With `max_steps`, stop launching after that many launches and return once the last one is
+    committed: nothing is left in flight, and any decoder can carry on from there.
+    """
     sched = engine.scheduler
     occupant: list[Launch | None] = [None] * NUM_SLOTS  # the uncommitted launch in each slot
     prev: Launch | None = None
     slot = 0
+    launched = 0
     while True:
         engine.between_steps()
-        if prev is None and sched.idle():
+        more = max_steps is None or launched < max_steps
+        if prev is None and (sched.idle() or not more):
             return
-        nxt = plan_next(engine, prev)
+        nxt = plan_next(engine, prev) if more else None
         if nxt is not None:  # 1. launch t+1
+            launched += 1
             slot = 1 - prev.slot if prev is not None else slot
             assert occupant[slot] is None, (
                 f"slot {slot} reused by step {nxt.plan.step} while step "

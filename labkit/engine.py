@@ -251,16 +251,20 @@ class Engine:
         if self.on_step is not None:
             self.on_step(self)
 
-    def run(self, decoder: str = "blocking") -> None:
-        """Run the chosen decoder until every request has finished."""
+    def run(self, decoder: str = "blocking", max_steps: int | None = None) -> None:
+        """Run the chosen decoder until every request has finished.
+
+        `max_steps`: return (with nothing in flight) after about that many launches instead, so
+        that decoders can take turns on one workload, as `bench decode` has them do.
+        """
         if decoder == "blocking":
-            from labkit.decode_blocking import run_blocking
-            run_blocking(self)
+            from labkit.decode_blocking import run_blocking as loop
         elif decoder == "pipelined":
-            from labkit.decode_pipelined import run_pipelined
-            run_pipelined(self)
+            from labkit.decode_pipelined import run_pipelined as loop
         else:
             raise ValueError(f"decoder must be 'blocking' or 'pipelined', got {decoder!r}")
+        with self.device.host_thread():  # the host's loop keeps off the device's core
+            loop(self, max_steps)
 
     def completion(self, request_id: int, index: int | None = None,
                    prompt: str | None = None) -> Completion:

@@ -43,3 +43,53 @@ def test_unknown_benchmark_exits_2(capsys):
     assert bench.main(["nosuch"]) == 2
     assert "unknown benchmark 'nosuch'" in capsys.readouterr().err
     assert bench.main([]) == 0 and "generate" in capsys.readouterr().out
+
+
+def test_bench_decode_json_rows_are_self_consistent():
+    """`bench decode` in-process on `tiny`: every documented field, and the row adds up."""
+    proc = subprocess.run([sys.executable, "-m", "labkit", "bench", "decode", "--model", "tiny",
+                           "--device", "inprocess", "--streams", "1,3", "--tokens", "20",
+                           "--repeats", "1", "--segment", "6", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["streams"] for r in rows] == [1, 3]
+    for r in rows:
+        for key in ("device", "model", "streams", "blocking_ms", "pipelined_ms", "speedup",
+                    "t_host_ms", "t_device_ms", "predicted_speedup", "zombie_rows",
+                    "zombie_tax", "of_predicted", "pairs"):
+            assert key in r, key
+        assert r["model"] == "tiny" and r["pairs"] >= 1
+        assert r["speedup"] == pytest.approx(r["blocking_ms"] / r["pipelined_ms"])
+        assert r["t_host_ms"] + r["t_device_ms"] == pytest.approx(r["blocking_ms"])
+        assert r["predicted_speedup"] == pytest.approx(
+            (r["t_host_ms"] + r["t_device_ms"]) / max(r["t_host_ms"], r["t_device_ms"]))
+        assert r["of_predicted"] == pytest.approx(r["speedup"] / r["predicted_speedup"])
+        # a whole pipelined run: one zombie row per sequence, 20 tokens each
+        assert r["zombie_rows"] == r["streams"]
+        assert r["zombie_tax"] == pytest.approx(1 / 20)
+
+
+def test_bench_decode_refuses_turns_too_short_to_time(capsys):
+    from labkit import bench_decode
+    assert bench_decode.main(["--model", "tiny", "--segment", "3"]) == 2
+    assert "--segment must be >= 4" in capsys.readouterr().err
+    assert bench_decode.main(["--model", "tiny", "--tokens", "8", "--segment", "8"]) == 2
+    assert "--tokens at least" in capsys.readouterr().err
+
+
+def test_steady_state_skips_the_fill_and_counts_the_device_per_period():
+    from labkit.bench_decode import steady_ms_per_step
+    from labkit.timeline import Timeline
+    tl = Timeline()
+    # launches at 0, 1, 5, 7, 9, 11 ms: the first two periods fill the pipeline
+    for step, t in enumerate([0, 1, 5, 7, 9, 11]):
+        tl.add("host", "decode", step, t / 1e3, t / 1e3 + 1e-4)
+        tl.add("compute", "forward", step, t / 1e3, (t + 1.5) / 1e3)
+    wall, device = steady_ms_per_step(tl)
+    assert wall == pytest.approx(2.0)  # (11 - 5) / 3
+    assert device == pytest.approx(1.5)  # steps 2, 3, 4 begin the counted periods
+    short = Timeline()
+    for step in range(3):
+        short.add("host", "decode", step, step / 1e3, step / 1e3)
+    assert steady_ms_per_step(short) is None

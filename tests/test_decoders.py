@@ -229,3 +229,48 @@ def test_timeline_shows_the_bubble_shrink():
 def test_cuda_device_without_a_gpu_says_what_to_use():
     with pytest.raises(RuntimeError, match="device='process'"):
         Engine(MODEL, None, kv_tokens=64, block_size=8, max_seqs=2, device="cuda")
+
+
+@pytest.mark.parametrize("segment", [1, 3])
+def test_decoders_taking_turns_emit_the_same_tokens(device, segment):
+    """`run(max_steps=...)` returns drained, so the loops can alternate (as `bench decode`
+    has them do) without changing a token or leaking a page."""
+    reqs = [r[:3] for r in workload(3)]
+    engine = get_engine(device)
+
+    def go(turns):
+        ids = [engine.submit(prompt, params,
+                             constraint=parse_constraint(spec, VOCAB) if spec else None)
+               for prompt, params, spec in reqs]
+        k = 0
+        while not engine.scheduler.idle():
+            engine.run(turns[k % len(turns)], max_steps=segment)
+            k += 1
+            assert all(s.inflight_refs == 0 for s in engine.seqs.values())  # nothing in flight
+        engine.check_all_released()
+        return [engine.seqs[i].output_ids for i in ids]
+
+    alone = go(["blocking"])
+    assert go(["pipelined", "blocking"]) == alone
+    assert go(["pipelined"]) == alone
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity")
+                    or len(__import__("os").sched_getaffinity(0)) < 2,
+                    reason="pinning needs Linux and two cores")
+def test_simulated_device_gets_a_core_of_its_own():
+    import os
+    engine = get_engine("process")
+    dev = engine.device
+    assert os.sched_getaffinity(dev.proc.pid) == dev.device_cpus and len(dev.device_cpus) == 1
+    assert not dev.host_cpus & dev.device_cpus
+    before = os.sched_getaffinity(0)
+    seen = []
+    engine.on_step = lambda eng: seen.append(os.sched_getaffinity(0))
+    engine.submit([3, 4], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    try:
+        engine.run("pipelined")
+    finally:
+        engine.on_step = None
+    assert seen and all(s == dev.host_cpus for s in seen)  # the loop ran off the device's core
+    assert os.sched_getaffinity(0) == before  # and the caller got its cores back
