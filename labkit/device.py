@@ -169,8 +169,8 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_rx, copy_do
         runner = ModelRunner(model, *runner_args)
     except BaseException:
         errors.put(traceback.format_exc())
-        for e in copy_done:
-            e.set()
+        for done in copy_done:
+            done.release()
         return
     logits: list[torch.Tensor | None] = [None] * NUM_SLOTS
     tokens: list[torch.Tensor | None] = [None] * NUM_SLOTS
@@ -179,7 +179,9 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_rx, copy_do
     masks: dict[int, torch.Tensor] = {}  # constraint masks, cached by the host's key
     vocab = model.cfg.vocab_size
 
-    trace_np, trace_n_np = trace.numpy(), trace_n.numpy()  # views of the shared memory
+    # numpy views of the shared memory: a numpy store costs a fraction of a torch one, and on
+    # the device's one core the copy stream's every microsecond delays the compute stream
+    trace_np, trace_n_np, host_np = trace.numpy(), trace_n.numpy(), host_tokens.numpy()
 
     def record(lane: int, op: int, step: int, t0: float, t1: float) -> None:
         # t1 is taken before the event is set: once it is, the other stream and the host run,
@@ -189,8 +191,8 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_rx, copy_do
 
     def fail() -> None:
         errors.put(traceback.format_exc())
-        for e in copy_done:  # wake the host: it finds the error instead of waiting forever
-            e.set()
+        for done in copy_done:  # wake the host: it finds the error instead of waiting forever
+            done.release()
 
     def compute_stream() -> None:
         try:
@@ -225,10 +227,10 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_rx, copy_do
                 sampled[slot].clear()
                 t0 = time.perf_counter()
                 n = tokens[slot].shape[0]
-                host_tokens[slot, 0] = n
-                host_tokens[slot, 1:n + 1] = tokens[slot]  # into the shared "pinned" buffer
+                host_np[slot, 0] = n
+                host_np[slot, 1:n + 1] = tokens[slot].numpy()  # into the shared "pinned" buffer
                 t1 = time.perf_counter()
-                copy_done[slot].set()
+                copy_done[slot].release()
                 record(1, 2, step, t0, t1)
         except BaseException:
             fail()
@@ -246,7 +248,8 @@ class ProcessDevice(Device):
 
     Launching sends a command down a stream's pipe and returns at once; the device process
     runs each stream's commands in order in its own thread. Host buffers are shared memory
-    both processes map (the stand-in for pinned memory), events are `multiprocessing.Event`s.
+    both processes map (the stand-in for pinned memory); the copy stream signals the host
+    through a `multiprocessing.Semaphore` per slot (the copy's event).
     A process, not a thread: with pure-Python host work a device thread would share the GIL
     with the host and the two could not overlap.
 
@@ -271,9 +274,12 @@ class ProcessDevice(Device):
         model.share_memory()  # the device maps the weights; nothing is copied
         self.vocab_size = model.cfg.vocab_size
         self.host_tokens = torch.zeros(NUM_SLOTS, max_seqs + 1, dtype=torch.long).share_memory_()
+        self._host_np = self.host_tokens.numpy()
         self.trace = torch.zeros(2, _TRACE_CAP, 4, dtype=torch.float64).share_memory_()
         self.trace_n = torch.zeros(2, dtype=torch.long).share_memory_()
-        self.copy_done = [ctx.Event() for _ in range(NUM_SLOTS)]
+        # the copy's completion event: a semaphore, released once per copy, acquired once per
+        # wait (cheaper than a multiprocessing.Event, whose set() waits for every waiter)
+        self.copy_done = [ctx.Semaphore(0) for _ in range(NUM_SLOTS)]
         self._errors = ctx.Queue()
         compute_rx, self._compute = ctx.Pipe(duplex=False)
         copy_rx, self._copy = ctx.Pipe(duplex=False)
@@ -347,15 +353,13 @@ class ProcessDevice(Device):
         self._send(self._copy, (slot, self._slot_step[slot]))
 
     def wait_tokens(self, slot: int) -> list[int]:
-        done = self.copy_done[slot]
-        while not done.wait(timeout=0.5):
+        while not self.copy_done[slot].acquire(timeout=0.5):
             if not self.proc.is_alive():
                 self._raise_dead()
         if not self._errors.empty():
             self._raise_dead()
-        done.clear()
-        n = int(self.host_tokens[slot, 0])
-        return self.host_tokens[slot, 1:n + 1].tolist()
+        n = int(self._host_np[slot, 0])
+        return self._host_np[slot, 1:n + 1].tolist()
 
     def spans(self) -> list[tuple[str, str, int, float, float]]:
         """Device spans recorded since the last call: (lane, op, step, t0, t1)."""
