@@ -56,15 +56,32 @@ def decode_ms_per_step(timeline) -> tuple[float, float, int]:
     return wall / len(steps) * 1e3, device / len(steps) * 1e3, len(steps)
 
 
-def run_once(engine, prompt_ids: list[list[int]], tokens: int, decoder: str) -> dict:
-    """Decode the requests once with one decoder; ms/step and the counters of the run."""
+CONSTRAINTS = {"point": {"point": {"min": 0, "max": 1, "decimals": 3}},
+               "box": {"box": {"min": 0, "max": 1, "decimals": 3}}}
+
+
+def submit_workload(engine, prompt_ids: list[list[int]], tokens: int, constraint=None) -> None:
+    """One request per prompt. Unconstrained: greedy, `tokens` new tokens each (EOS ignored).
+    Constrained (a `labkit.constraints` object): seeded sampling (temperature 1, seed = the
+    request's index, so the answers differ) until the answer is complete, as real constrained
+    requests run: every step the host advances each row's automaton and builds its mask."""
     from labkit.sampling import SamplingParams
+
+    for i, ids in enumerate(prompt_ids):
+        if constraint is None:
+            engine.submit(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True))
+        else:
+            engine.submit(ids, SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=i),
+                          constraint=constraint)
+
+
+def run_once(engine, prompt_ids: list[list[int]], tokens: int, decoder: str,
+             constraint=None) -> dict:
+    """Decode the requests once with one decoder; ms/step and the counters of the run."""
     from labkit.timeline import Timeline
 
-    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     zombies0, rows0 = engine.zombie_rows, engine.decode_rows
-    for ids in prompt_ids:
-        engine.submit(ids, params)
+    submit_workload(engine, prompt_ids, tokens, constraint)
     with Timeline.record(engine) as tl:
         engine.run(decoder)
     engine.check_all_released()
@@ -94,19 +111,16 @@ def steady_ms_per_step(timeline, skip: int = 2) -> tuple[float, float] | None:
 
 
 def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: int,
-                    blocking_first: bool) -> list[dict]:
+                    blocking_first: bool, constraint=None) -> list[dict]:
     """One workload, decoded by the two loops taking turns every `segment` steps.
 
     This VM's cores change speed by up to 2x within seconds (other tenants), so whole runs
     one after the other compare different machines. Turns of ~0.1 s put the two loops side
     by side on the same machine state; each adjacent (blocking, pipelined) pair is one sample.
     """
-    from labkit.sampling import SamplingParams
     from labkit.timeline import Timeline
 
-    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    for ids in prompt_ids:
-        engine.submit(ids, params)
+    submit_workload(engine, prompt_ids, tokens, constraint)
     order = ("blocking", "pipelined") if blocking_first else ("pipelined", "blocking")
     turns: list[tuple[str, tuple[float, float] | None]] = []
     while not engine.scheduler.idle():
@@ -131,24 +145,28 @@ def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: i
 
 
 def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
-                  segment: int = 12) -> dict:
+                  segment: int = 12, constraint: str | None = None) -> dict:
     """One row of the table: blocking and pipelined at `streams` concurrent requests.
 
     The timing comes from `repeats` workloads each decoded by the two loops in alternating
     turns (`paired_segments`); every figure is the median over all pairs. One whole run of
-    each loop gives the timelines (for plots) and the zombie count.
+    each loop gives the timelines (for plots) and the zombie count. `constraint`: None, or a
+    key of `CONSTRAINTS` (every request answers with a point or a box).
     """
+    from labkit.constraints import parse_constraint
+
+    fsm = parse_constraint(CONSTRAINTS[constraint], engine.vocab) if constraint else None
     vocab = engine.model.cfg.vocab_size
     # `tiny` knows only SmolLM2's first tokens; its weights are random, so only a prompt's
     # length matters and out-of-range ids are folded into range
     prompt_ids = [[t % vocab for t in tok.encode(PROMPTS[i % len(PROMPTS)], chat=True)]
                   for i in range(streams)]
-    run_once(engine, prompt_ids, min(tokens, 8), "pipelined")  # warm up both paths
-    run_once(engine, prompt_ids, min(tokens, 8), "blocking")
-    whole = {d: run_once(engine, prompt_ids, tokens, d) for d in ("blocking", "pipelined")}
+    run_once(engine, prompt_ids, min(tokens, 8), "pipelined", fsm)  # warm up both paths
+    run_once(engine, prompt_ids, min(tokens, 8), "blocking", fsm)
+    whole = {d: run_once(engine, prompt_ids, tokens, d, fsm) for d in ("blocking", "pipelined")}
     pairs = []
     for r in range(repeats):  # who goes first alternates too, so drift favours neither
-        pairs += paired_segments(engine, prompt_ids, tokens, segment, r % 2 == 0)
+        pairs += paired_segments(engine, prompt_ids, tokens, segment, r % 2 == 0, fsm)
     if not pairs:
         raise ValueError(f"--tokens {tokens} is too few to time: each turn of {segment} steps "
                          "needs a steady state of at least one step after two to fill")
@@ -184,6 +202,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=3, help="workloads timed per row")
     p.add_argument("--segment", type=int, default=12,
                    help="steps per turn before the other decoder takes over")
+    p.add_argument("--constraint", choices=sorted(CONSTRAINTS),
+                   help="every request answers with a constrained point or box (real host "
+                        "work: automata and masks); sampled, to completion")
     p.add_argument("--extra-host-ms", type=float, default=0.0,
                    help="WHAT-IF: add this much pure-Python host work to every commit")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
@@ -220,14 +241,14 @@ def main(argv: list[str]) -> int:
     hardware = (torch.cuda.get_device_name(0) if device == "cuda"
                 else engine.device.name)
     try:
-        rows = [bench_streams(engine, tok, s, args.tokens, args.repeats, args.segment)
-                for s in streams]
+        rows = [bench_streams(engine, tok, s, args.tokens, args.repeats, args.segment,
+                              args.constraint) for s in streams]
     finally:
         engine.close()
     for r in rows:
         r.pop("timelines")
         r.update(device=hardware, model=args.model, tokens=args.tokens,
-                 extra_host_ms=args.extra_host_ms)
+                 constraint=args.constraint, extra_host_ms=args.extra_host_ms)
     if args.json:
         for r in rows:
             print(json.dumps(r))
@@ -247,6 +268,9 @@ def main(argv: list[str]) -> int:
     note = (f"model {args.model}, {args.tokens} tokens per request; medians over "
             f"{', '.join(str(r['pairs']) for r in rows)} pairs of {args.segment}-step turns; "
             f"zombie tax = decode rows run for finished sequences (Photon: ~1% at 1 stream)")
+    if args.constraint:
+        note += (f"; every request a constrained {args.constraint} (sampled, to completion: "
+                 "the tokens per request vary)")
     if args.extra_host_ms:
         note += f"; WHAT-IF: +{args.extra_host_ms} ms of artificial host work per commit"
     print(note)

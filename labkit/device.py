@@ -36,9 +36,12 @@ def allowed_tensor(allowed: dict[int, torch.Tensor] | None, batch: int, vocab: i
     """The [B, V] bool mask from per-row masks (rows without one allow every token)."""
     if not allowed:
         return None
+    rows = sorted(allowed)
+    stacked = torch.stack([allowed[r] for r in rows]).to(device, non_blocking=True)
+    if len(rows) == batch:  # every row constrained: the stack is the mask
+        return stacked
     mask = torch.ones(batch, vocab, dtype=torch.bool, device=device)
-    for row, row_mask in allowed.items():
-        mask[row] = row_mask.to(device, non_blocking=True)
+    mask[torch.tensor(rows, device=device)] = stacked  # one copy, not one per row
     return mask
 
 

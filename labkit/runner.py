@@ -119,7 +119,6 @@ class ModelRunner:
                allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Choose each row's next token on the device and remember it in last_tokens: [B]."""
         batch = SamplingBatch.build(plan.params, plan.counters, logits.shape[-1], self.to_device)
-        tokens = sample(logits, batch, allowed,
-                        all_greedy=all(p.greedy for p in plan.params))
+        tokens = sample(logits, batch, allowed)
         self.last_tokens[self.to_device(plan.rows)] = tokens
         return tokens

@@ -60,6 +60,10 @@ class SamplingBatch:
     top_p: torch.Tensor  # [B] float
     seed: torch.Tensor  # [B] long
     counter: torch.Tensor  # [B] long: index of the token being chosen (its output position)
+    # known on the host when the batch is built, so no device sync is needed to skip work
+    all_greedy: bool = False  # no row samples
+    any_top_k: bool = True  # some row cuts by top-k
+    any_top_p: bool = True  # some row cuts by top-p
 
     @staticmethod
     def build(params: list[SamplingParams], counters: list[int], vocab_size: int,
@@ -70,36 +74,50 @@ class SamplingBatch:
             top_k=to_device([p.top_k or vocab_size for p in params]),
             top_p=to_device([float(p.top_p) for p in params]),
             seed=to_device([p.seed for p in params]),
-            counter=to_device(counters))
-
-    @property
-    def all_greedy(self) -> bool:
-        """No row samples (one host sync; callers cache it when they can)."""
-        return bool((self.temperature == 0).all())
+            counter=to_device(counters),
+            all_greedy=all(p.greedy for p in params),
+            any_top_k=any(p.top_k is not None and p.top_k < vocab_size for p in params),
+            any_top_p=any(p.top_p < 1 for p in params))
 
 
 _M32 = 0xFFFFFFFF
 
 
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit values held in int64 -> the same 32 bits as int32."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def _signed(c: int) -> int:
+    """A 32-bit constant as the int32 with the same bits."""
+    return c - 2**32 if c >= 2**31 else c
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply) on int64 tensors holding values < 2**32."""
-    # multipliers stay below 2**31 so products fit in int64 without overflow
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _M32
-    return x ^ (x >> 16)
+    """A 32-bit integer hash (xor-shift-multiply) on int32 tensors, bit for bit the unsigned one.
+
+    int32 holds the same 32 bits as the unsigned value: xor and a wrapping multiply act on bits
+    alike, and `(x >> s) & mask` is the unsigned (logical) shift. Half the memory traffic of
+    int64, which on a CPU device made the noise of a [32, 8192] batch ~5x cheaper.
+    """
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D  # wraps modulo 2**32, as the unsigned product would
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * 0x2C1B3C6D
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
 def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform (0, 1) noise [B, V] that depends only on (seed, counter, vocab id)."""
     # seed, counter: [B] int64
     # seed and counter enter through different constants, so (s, c) and (c, s) differ
-    key = _mix32(_mix32((seed & _M32) ^ 0x243F6A88) ^ ((seed >> 32) & _M32))
-    key = _mix32(key ^ _mix32(((counter & _M32) + 0x6A09E667) & _M32))  # [B]
-    vocab = torch.arange(vocab_size, device=seed.device, dtype=torch.long)
-    h = _mix32((key[:, None] + vocab[None, :] * 0x9E3779B1) & _M32)  # [B, V]
-    return ((h >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in float32, never 0 or 1
+    lo, hi = _as_int32(seed & _M32), _as_int32((seed >> 32) & _M32)
+    key = _mix32(_mix32(lo ^ 0x243F6A88) ^ hi)
+    key = _mix32(key ^ _mix32(_as_int32(((counter & _M32) + 0x6A09E667) & _M32)))  # [B]
+    vocab = torch.arange(vocab_size, device=seed.device, dtype=torch.int32)
+    h = _mix32(key[:, None] + vocab[None, :] * _signed(0x9E3779B1))  # [B, V]
+    # 24 bits: exact in float32, never 0 or 1
+    return (((h >> 8) & 0xFFFFFF).float() + 0.5) / float(1 << 24)
 
 
 def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -115,7 +133,9 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
-    drop_sorted = mass_before >= top_p[:, None]  # the top token has 0 before it: always kept
+    # the top token has 0 before it: always kept; a row with p = 1 keeps everything (its
+    # float cumsum may round past 1, and a row must not depend on its batch-mates' p)
+    drop_sorted = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -132,8 +152,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | N
         return greedy_tokens
     temp = torch.where(batch.temperature > 0, batch.temperature, 1.0)
     scaled = logits / temp[:, None]
-    scaled = top_k_filter(scaled, batch.top_k)
-    scaled = top_p_filter(scaled, batch.top_p)
+    if batch.any_top_k:  # each filter sorts every row: skipped when no row cuts
+        scaled = top_k_filter(scaled, batch.top_k)
+    if batch.any_top_p:
+        scaled = top_p_filter(scaled, batch.top_p)
     gumbel = -torch.log(-torch.log(uniform_noise(batch.seed, batch.counter, logits.shape[1])))
     sampled = (scaled + gumbel).argmax(dim=-1)  # Gumbel-max: a draw from softmax(scaled)
     return torch.where(batch.temperature > 0, sampled, greedy_tokens)

@@ -83,3 +83,46 @@ def test_mask_is_respected_by_greedy_and_sampled_rows():
     for c in range(20):
         toks = sample(logits, _batch(params, [c, c], 20), allowed)
         assert set(toks.tolist()) <= {4, 9}
+
+
+def _reference_noise(seed, counter, vocab_size):
+    """The hash in plain unsigned arithmetic on int64 (products stay below 2**63)."""
+    m = 0xFFFFFFFF
+
+    def mix(x):
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & m
+        x = x ^ (x >> 15)
+        x = (x * 0x2C1B3C6D) & m
+        return x ^ (x >> 16)
+    key = mix(mix((seed & m) ^ 0x243F6A88) ^ ((seed >> 32) & m))
+    key = mix(key ^ mix(((counter & m) + 0x6A09E667) & m))
+    vocab = torch.arange(vocab_size, dtype=torch.long)
+    h = mix((key[:, None] + vocab[None, :] * 0x9E3779B1) & m)
+    return ((h >> 8).float() + 0.5) / float(1 << 24)
+
+
+def test_int32_noise_is_bit_for_bit_the_unsigned_hash():
+    """The noise runs in int32 (wrapping multiplies, masked shifts) for speed; it must be the
+    same 32-bit hash, or a torch build that did not wrap would change every sampled token."""
+    from labkit.sampling import uniform_noise
+    g = torch.Generator().manual_seed(3)
+    seed = torch.cat([torch.tensor([0, 2**63 - 1, 2**32 - 1, 2**31]),
+                      torch.randint(0, 2**63 - 1, (12,), generator=g)])
+    counter = torch.cat([torch.tensor([0, 2**32 - 1, 2**31, 1]),
+                         torch.randint(0, 2**40, (12,), generator=g)])
+    assert torch.equal(uniform_noise(seed, counter, 5000), _reference_noise(seed, counter, 5000))
+
+
+def test_rows_without_a_cut_are_untouched_by_the_filters():
+    """top_p = 1 keeps every token even where a float cumsum rounds past 1, so a row samples
+    the same whether or not a batch-mate cuts (the filters run only if some row does)."""
+    logits = torch.randn(2, 3000, generator=torch.Generator().manual_seed(4)) * 8
+    kept = top_p_filter(logits, torch.tensor([1.0, 0.5]))
+    assert torch.equal(kept[0], logits[0])
+    assert torch.isinf(kept[1]).any()
+    mine = SamplingParams(temperature=1.0, seed=7)
+    alone = sample(logits[:1], _batch([mine], [3], 3000))
+    beside = sample(logits, _batch([mine, SamplingParams(temperature=1.0, top_p=0.5,
+                                                          top_k=10)], [3, 3], 3000))
+    assert alone.item() == beside[0].item()
