@@ -78,5 +78,8 @@ def generate(prompts, params: SamplingParams | list[SamplingParams] | None = Non
         engine.run(decoder)
     finally:
         engine.on_text = None
-    return [engine.completion(rid, i, prompts[i] if isinstance(prompts[i], str) else None)
-            for rid, i in index_of.items()]
+    out = [engine.completion(rid, i, prompts[i] if isinstance(prompts[i], str) else None)
+           for rid, i in index_of.items()]
+    for rid in index_of:  # the completions hold everything: the engine keeps no record
+        engine.forget(rid)
+    return out

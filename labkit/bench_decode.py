@@ -60,19 +60,22 @@ CONSTRAINTS = {"point": {"point": {"min": 0, "max": 1, "decimals": 3}},
                "box": {"box": {"min": 0, "max": 1, "decimals": 3}}}
 
 
-def submit_workload(engine, prompt_ids: list[list[int]], tokens: int, constraint=None) -> None:
+def submit_workload(engine, prompt_ids: list[list[int]], tokens: int,
+                    constraint=None) -> list[int]:
     """One request per prompt. Unconstrained: greedy, `tokens` new tokens each (EOS ignored).
     Constrained (a `labkit.constraints` object): seeded sampling (temperature 1, seed = the
     request's index, so the answers differ) until the answer is complete, as real constrained
     requests run: every step the host advances each row's automaton and builds its mask."""
     from labkit.sampling import SamplingParams
 
+    ids_out = []
     for i, ids in enumerate(prompt_ids):
         if constraint is None:
-            engine.submit(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True))
+            params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
         else:
-            engine.submit(ids, SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=i),
-                          constraint=constraint)
+            params = SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=i)
+        ids_out.append(engine.submit(ids, params, constraint=constraint))
+    return ids_out
 
 
 def run_once(engine, prompt_ids: list[list[int]], tokens: int, decoder: str,
@@ -81,10 +84,12 @@ def run_once(engine, prompt_ids: list[list[int]], tokens: int, decoder: str,
     from labkit.timeline import Timeline
 
     zombies0, rows0 = engine.zombie_rows, engine.decode_rows
-    submit_workload(engine, prompt_ids, tokens, constraint)
+    ids = submit_workload(engine, prompt_ids, tokens, constraint)
     with Timeline.record(engine) as tl:
         engine.run(decoder)
     engine.check_all_released()
+    for rid in ids:
+        engine.forget(rid)
     ms, dev_ms, steps = decode_ms_per_step(tl)
     return {"ms": ms, "device_ms": dev_ms, "steps": steps,
             "zombie_rows": engine.zombie_rows - zombies0, "rows": engine.decode_rows - rows0,
@@ -120,7 +125,7 @@ def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: i
     """
     from labkit.timeline import Timeline
 
-    submit_workload(engine, prompt_ids, tokens, constraint)
+    ids = submit_workload(engine, prompt_ids, tokens, constraint)
     order = ("blocking", "pipelined") if blocking_first else ("pipelined", "blocking")
     turns: list[tuple[str, tuple[float, float] | None]] = []
     while not engine.scheduler.idle():
@@ -129,6 +134,8 @@ def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: i
             engine.run(decoder, max_steps=segment)
         turns.append((decoder, steady_ms_per_step(tl)))
     engine.check_all_released()
+    for rid in ids:
+        engine.forget(rid)
     pairs = []
     for a, b in zip(turns[::2], turns[1::2]):
         (da, ma), (_, mb) = a, b

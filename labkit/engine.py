@@ -127,7 +127,9 @@ class Engine:
     def cancel(self, request_id: int) -> bool:
         """Cancel a request at any moment; False if it had already finished."""
         if request_id not in self.seqs:
-            raise KeyError(f"cancel: no request with id {request_id} (known ids: "
+            if 0 <= request_id < self._next_id:  # finished, and its record dropped
+                return False
+            raise KeyError(f"cancel: no request with id {request_id} (ids so far: "
                            f"0..{self._next_id - 1})")
         seq = self.seqs[request_id]
         if seq.finalized:
@@ -275,6 +277,17 @@ class Engine:
                           list(s.output_ids), s.text, s.finish_reason.value,
                           s.first_token_s if s.first_token_s is not None else float("nan"),
                           list(s.token_times_s))
+
+    def forget(self, request_id: int) -> None:
+        """Drop a finished request's record (take its `completion` first), so that a
+        long-lived engine, such as a notebook's, does not keep every request it ever ran."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"forget: no request with id {request_id}")
+        if not seq.released:
+            raise RequestError(f"request {request_id} is still running (or its pages are still "
+                               "in flight); forget it after the run")
+        del self.seqs[request_id]
 
     def close(self) -> None:
         """Stop the device (the simulated accelerator's process, CUDA streams)."""

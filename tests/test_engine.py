@@ -155,3 +155,27 @@ def test_a_step_writing_a_free_page_is_stopped_before_launch():
     with pytest.raises(RuntimeError, match=f"KV page {seq.block_table[0]} written while free"):
         e.launch(e.plan_prefill([seq]), slot=0)
     assert e.seqs[rid].inflight_refs == 0
+
+
+def test_a_long_lived_engine_keeps_no_record_of_finished_generate_calls():
+    import labkit
+    e = engine()
+    first = labkit.generate(prompts(3), SamplingParams(max_new_tokens=4), engine=e)
+    again = labkit.generate(prompts(3), SamplingParams(max_new_tokens=4), engine=e)
+    assert [c.output_ids for c in first] == [c.output_ids for c in again]  # same answers
+    assert e.seqs == {}  # the completions hold everything; the engine forgot the requests
+    assert e.cancel(0) is False  # a forgotten request is simply finished
+    with pytest.raises(KeyError, match="no request with id 99"):
+        e.cancel(99)
+
+
+def test_forget_refuses_a_request_that_is_still_running():
+    e = engine()
+    rid = e.submit([5, 6, 7], SamplingParams(max_new_tokens=3))
+    with pytest.raises(RequestError, match="still running"):
+        e.forget(rid)
+    e.run()
+    e.forget(rid)
+    with pytest.raises(KeyError, match="forget: no request"):
+        e.forget(rid)
+    e.check_all_released()
