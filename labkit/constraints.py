@@ -24,138 +24,34 @@ The kinds, as JSONL requests spell them (`parse_constraint`):
   `{"x_min": 0.1, "y_min": 0.2, "x_max": 0.5, "y_max": 0.6}`, with x_min <= x_max and
   y_min <= y_max (a box with its corners swapped is not a box).
 
-Objects are written with canonical spacing only (one space after each colon and each comma, none
-elsewhere) and keys in the order shown. A number is `-?(0|[1-9][0-9]*)(\\.[0-9]{1,decimals})?`
-with its value in [min, max]; `-0` (negative zero, in any spelling) is not allowed. Every such
-text is valid JSON.
+The numeric kinds, their canonical spelling and their number grammar live in
+`labkit.constraints_json`; the token strings and their tries in `labkit.vocab`. This module
+re-exports both, so `from labkit.constraints import Vocab, Point, Box` works as it always has.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
-import math
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
-from decimal import ROUND_CEILING, Decimal, localcontext
-from functools import cached_property
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # the same names, for readers and type checkers; at run time see __getattr__
+    from labkit.constraints_json import Box, Point, number_alive, number_value
+    from labkit.vocab import Vocab
+
+__all__ = ["Box", "Choice", "Constraint", "ConstraintError", "Point", "State", "Vocab",
+           "number_alive", "number_value", "parse_constraint"]
 
 State = Hashable  # opaque to the decoders: start() makes one, advance() makes the next
 
 
 class ConstraintError(ValueError):
     """A constraint spec is malformed, cannot be satisfied, or a token broke it."""
-
-
-# ---------------------------------------------------------------------------------- vocabulary
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: printable stand-in character -> byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in chars:  # bytes that are not printable get the next free code points
-            chars[b], extra = chr(256 + extra), extra + 1
-    return {c: b for b, c in chars.items()}
-
-
-_BYTES = _byte_decoder()
-
-
-def _byte_level_text(piece: str) -> str | None:
-    """The text of a byte-level BPE piece ('Ġyes' -> ' yes'); None if it is not whole UTF-8."""
-    try:
-        return bytes(_BYTES[c] for c in piece).decode("utf-8")
-    except (KeyError, UnicodeDecodeError):  # not byte-level, or half of a multi-byte character
-        return None
-
-
-@dataclass(frozen=True, eq=False)
-class Vocab:
-    """What each token id decodes to; "" marks a token never allowed (special, partial UTF-8)."""
-
-    token_strings: Sequence[str]  # [V], stored as a tuple
-    eos_id: int
-    _tries: dict = field(default_factory=dict, init=False, repr=False)
-    _parsed: dict = field(default_factory=dict, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "token_strings", tuple(self.token_strings))
-        if not all(isinstance(s, str) for s in self.token_strings):
-            raise ConstraintError("Vocab.token_strings must all be str ('' for never allowed)")
-        if not 0 <= self.eos_id < len(self.token_strings):
-            raise ConstraintError(
-                f"Vocab.eos_id={self.eos_id} is not a token id (vocab size {self.size})")
-
-    def __repr__(self) -> str:
-        return f"Vocab(size={self.size}, eos_id={self.eos_id})"
-
-    @property
-    def size(self) -> int:
-        """V, the number of token ids (the width of every mask)."""
-        return len(self.token_strings)
-
-    @classmethod
-    def from_tokenizer(cls, tok: Any, size: int | None = None) -> Vocab:
-        """Read a tokenizer: transformers' (or labkit's wrapper), or one with the same methods."""
-        eos = getattr(tok, "eos_id", None)  # labkit.loading.Tokenizer: eos_id, and .hf inside
-        tok = getattr(tok, "hf", tok)
-        eos = getattr(tok, "eos_token_id", None) if eos is None else eos
-        if eos is None:
-            raise ConstraintError(f"{type(tok).__name__} has no eos_token_id: EOS must be known")
-        n_tok = len(tok) if hasattr(tok, "__len__") else tok.vocab_size
-        size = n_tok if size is None else size  # size: the model's logits width, may be padded
-        added = getattr(tok, "added_tokens_decoder", {}) or {}
-        special = set(getattr(tok, "all_special_ids", []) or [])
-        special |= {i for i, t in added.items() if getattr(t, "special", False)}
-        decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
-        byte_level = type(decoder).__name__ == "ByteLevel" or hasattr(tok, "byte_decoder")
-        pieces = tok.convert_ids_to_tokens(list(range(min(n_tok, size))))
-        strings = []
-        for i, piece in enumerate(pieces):
-            text = None
-            if i in special or piece is None:
-                text = ""
-            elif i in added:  # added tokens are stored as plain text, not byte-level
-                text = added[i].content
-            elif byte_level:
-                text = _byte_level_text(piece)
-            if text is None:  # not byte-level: decode alone; "\ufffd" means partial UTF-8
-                text = tok.decode([i])
-                text = "" if "\ufffd" in text else text
-                if piece.startswith("▁") and not text.startswith(" "):
-                    text = " " + text  # SentencePiece drops the word's space when decoding alone
-            strings.append(text)
-        strings += [""] * (size - len(strings))
-        return cls(strings, int(eos))
-
-    @cached_property
-    def single_chars(self) -> frozenset[str]:
-        """The characters that are a token by themselves."""
-        return frozenset(s for i, s in enumerate(self.token_strings)
-                         if len(s) == 1 and i != self.eos_id)
-
-    def trie(self, alphabet: frozenset[str]) -> dict:
-        """Trie of the tokens spelled only with `alphabet`: char -> child; "" -> token ids."""
-        if alphabet not in self._tries:
-            outside = re.compile("[^" + "".join(re.escape(c) for c in sorted(alphabet)) + "]")
-            root: dict = {}
-            for i, text in enumerate(self.token_strings):
-                if not text or i == self.eos_id or outside.search(text):
-                    continue
-                node = root
-                for ch in text:
-                    node = node.setdefault(ch, {})
-                node.setdefault("", []).append(i)
-            self._tries[alphabet] = root
-        return self._tries[alphabet]
 
 
 # ---------------------------------------------------------------------------------- the lift
@@ -374,178 +270,6 @@ class Choice(Constraint):
         return state in self.options
 
 
-# ---------------------------------------------------------------------------------- numbers
-
-_NUMBER_PREFIX = re.compile(r"(-?)((?:0|[1-9][0-9]*)?)(\.?)([0-9]*)")
-_NUMBER_CHARS = "-.0123456789"
-
-
-def number_alive(prefix: str, lo: Decimal, hi: Decimal, decimals: int) -> bool:
-    """Whether some number of the grammar that starts with `prefix` lies in [lo, hi]."""
-    m = _NUMBER_PREFIX.fullmatch(prefix)
-    if m is None:
-        return False
-    sign, whole, dot, frac = m.groups()
-    if not sign and not whole and not dot:  # nothing read yet: a sign may still come
-        return number_alive("-", lo, hi, decimals) or number_alive("0", lo, hi, decimals) or any(
-            number_alive(d, lo, hi, decimals) for d in "123456789")
-    if (dot and not whole) or (frac and not dot) or len(frac) > decimals:
-        return False
-    if dot and decimals == 0:
-        return False
-    with localcontext() as ctx:
-        ctx.prec = 80  # exact for any range a person would write
-        step = Decimal(1).scaleb(-decimals)  # the grid every number lies on
-        low, high = (max(-hi, step), -lo) if sign else (max(lo, Decimal(0)), hi)  # |value|
-
-        def hits(a: Decimal, b: Decimal) -> bool:  # a grid point in [a, b] and [low, high]?
-            a, b = max(a, low), min(b, high)
-            return a <= b and (a / step).to_integral_value(ROUND_CEILING) * step <= b
-
-        if not whole:  # "-": any magnitude
-            return hits(Decimal(0), high)
-        if dot:  # whole.frac, more fraction digits to come
-            base = Decimal(f"{whole}.{frac}" if frac else whole)
-            return hits(base, base + Decimal(1).scaleb(-len(frac)) - step)
-        if whole == "0":
-            return hits(Decimal(0), 1 - step)
-        n, scale = Decimal(whole), Decimal(1)  # more whole digits may follow: n*10^k...
-        while n * scale <= high:
-            if hits(n * scale, (n + 1) * scale - step):
-                return True
-            scale *= 10
-        return False
-
-
-def number_value(text: str, lo: Decimal, hi: Decimal, decimals: int) -> Decimal | None:
-    """The value of `text` if it is a complete number of the grammar in [lo, hi], else None."""
-    m = _NUMBER_PREFIX.fullmatch(text)
-    if m is None:
-        return None
-    sign, whole, dot, frac = m.groups()
-    if not whole or bool(dot) != bool(frac) or len(frac) > decimals:
-        return None
-    value = Decimal(text)
-    if sign and value == 0 or not lo <= value <= hi:  # "-0.0" is not canonical
-        return None
-    return value
-
-
-class _ObjState(NamedTuple):
-    """Where a JSON-object constraint stands."""
-
-    part: int  # index into the template: literal text or a number field
-    text: str  # characters read so far within this part
-    bounds: tuple[tuple[int, Decimal], ...]  # (field, value) of fields a later field must exceed
-
-
-class _NumberObject(Constraint):
-    """A JSON object of numbers with canonical spacing: the automaton behind Point and Box."""
-
-    keys: tuple[str, ...]
-    order: dict[int, int] = {}  # field -> the earlier field it must be >= to
-
-    def __init__(self, vocab: Vocab, min: float, max: float, decimals: int, *,
-                 ordered: bool = True) -> None:
-        name = type(self).__name__
-        self.order = type(self).order if ordered else {}
-        for label, v in (("min", min), ("max", max)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ConstraintError(f"{name}: {label} must be a finite number, got {v!r}")
-        if isinstance(decimals, bool) or not isinstance(decimals, int) or decimals < 0:
-            raise ConstraintError(f"{name}: decimals must be an int >= 0, got {decimals!r}")
-        if min > max:
-            raise ConstraintError(f"{name}: min ({min}) > max ({max})")
-        self.min, self.max, self.decimals = min, max, decimals
-        self._lo, self._hi = Decimal(repr(min)), Decimal(repr(max))
-        if not number_alive("", self._lo, self._hi, decimals):
-            raise ConstraintError(
-                f"{self!r}: no number with at most {decimals} decimals lies in [{min}, {max}]")
-        # template: literal, number, literal, number, ..., literal ('{"x": ', N, ', "y": ', N, '}')
-        self.parts: list[str | int] = []
-        for f, key in enumerate(self.keys):
-            self.parts += [("{" if f == 0 else ", ") + json.dumps(key) + ": ", f]
-        self.parts.append("}")
-        literal = "".join(p for p in self.parts if isinstance(p, str))
-        self.alphabet = frozenset(literal + _NUMBER_CHARS)
-        super().__init__(vocab)
-        if self.order:  # the same object without the order: a cheap, sound first test
-            self._relaxed = type(self)(vocab, min, max, decimals, ordered=False)
-        self._check_satisfiable()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(min={self.min}, max={self.max}, decimals={self.decimals})"
-
-    @property
-    def max_text_len(self) -> int:
-        """Characters in the longest complete answer: the literals plus the longest numbers."""
-        whole = len(str(int(max(abs(self._lo), abs(self._hi)))))
-        number = (self._lo < 0) + whole + (1 + self.decimals if self.decimals else 0)
-        return sum(len(p) for p in self.parts if isinstance(p, str)) + len(self.keys) * number
-
-    def _relax(self, state: State) -> State:
-        return state._replace(bounds=())
-
-    def _range(self, f: int, bounds: tuple[tuple[int, Decimal], ...]) -> tuple[Decimal, Decimal]:
-        lo = dict(bounds).get(self.order.get(f), self._lo)
-        return max(lo, self._lo), self._hi
-
-    def _enter(self, part: int, bounds: tuple) -> _ObjState:
-        return _ObjState(part, "", bounds)
-
-    def _char_start(self) -> State:
-        return self._enter(0, ())
-
-    def _char_step(self, state: State, ch: str) -> State | None:
-        part, text, bounds = state
-        spec = self.parts[part]
-        if isinstance(spec, str):  # literal: the next character must match exactly
-            if text + ch != spec[:len(text) + 1]:
-                return None
-            done = len(text) + 1 == len(spec) and part + 1 < len(self.parts)
-            return self._enter(part + 1, bounds) if done else _ObjState(part, text + ch, bounds)
-        lo, hi = self._range(spec, bounds)
-        if ch in _NUMBER_CHARS:
-            return _ObjState(part, text + ch, bounds) if number_alive(
-                text + ch, lo, hi, self.decimals) else None
-        nxt = self.parts[part + 1]  # the number ends where the next literal starts
-        value = number_value(text, lo, hi, self.decimals)
-        if ch != nxt[0] or value is None:
-            return None
-        if spec in self.order.values():  # a later field is bounded below by this one
-            bounds = (*bounds, (spec, value))
-        bounds = tuple((f, v) for f, v in bounds if any(  # forget bounds no later field needs
-            g > spec and self.order.get(g) == f for g in range(len(self.keys))))
-        return self._char_step(self._enter(part + 1, bounds), ch)
-
-    def _next_chars(self, state: State) -> Iterable[str]:
-        part, text, _ = state
-        spec = self.parts[part]
-        if isinstance(spec, str):
-            return spec[len(text):len(text) + 1]
-        return _NUMBER_CHARS + self.parts[part + 1][0]
-
-    def is_accepting(self, state: State) -> bool:
-        """Whether the closing brace has been read."""
-        return state.part == len(self.parts) - 1 and state.text == self.parts[-1]
-
-
-class Point(_NumberObject):
-    """`{"x": X, "y": Y}` with X and Y in [min, max], at most `decimals` decimals."""
-
-    keys = ("x", "y")
-
-
-class Box(_NumberObject):
-    """`{"x_min": …, "y_min": …, "x_max": …, "y_max": …}` in [min, max], min <= max per axis.
-
-    `ordered=False` drops the x_min <= x_max and y_min <= y_max rule.
-    """
-
-    keys = ("x_min", "y_min", "x_max", "y_max")
-    order = {2: 0, 3: 1}  # x_max >= x_min, y_max >= y_min
-
-
 # ---------------------------------------------------------------------------------- parsing
 
 
@@ -562,6 +286,7 @@ def parse_constraint(spec: dict, vocab: Vocab) -> Constraint:
         raise ConstraintError(f"a constraint must be plain JSON, got {spec!r}: {e}") from None
     if key in vocab._parsed:  # requests with the same constraint share its mask cache
         return vocab._parsed[key]
+    from labkit.constraints_json import Box, Point  # here, not at the top: it imports this module
     if kind == "choice":
         if not isinstance(args, list):
             raise ConstraintError(f"'choice' takes a list of strings, got {args!r}")
@@ -576,3 +301,28 @@ def parse_constraint(spec: dict, vocab: Vocab) -> Constraint:
         raise ConstraintError(f"unknown constraint kind {kind!r}; known: choice, point, box")
     vocab._parsed[key] = made
     return made
+
+
+# ---------------------------------------------------------------------------------- re-exports
+
+_MOVED = {"Vocab": "labkit.vocab", "Point": "labkit.constraints_json",
+          "Box": "labkit.constraints_json", "number_alive": "labkit.constraints_json",
+          "number_value": "labkit.constraints_json"}
+
+
+def __getattr__(name: str) -> Any:
+    """`labkit.constraints.Vocab` and friends, imported on first use (PEP 562).
+
+    Those modules import `Constraint` and `ConstraintError` from here, so importing them at the
+    top of this file would be a cycle; looking them up late lets either side be imported first.
+    """
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MOVED[name]), name)
+    globals()[name] = value  # found directly next time
+    return value
+
+
+def __dir__() -> list[str]:
+    """The names defined here and the ones re-exported, for dir() and tab completion."""
+    return sorted({*globals(), *_MOVED})
