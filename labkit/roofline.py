@@ -8,31 +8,26 @@ weight to do 2 FLOPs per weight per sequence, so at batch 1 (bf16) it does about
 hundreds of times below a GPU's ridge: decode is memory-bound, and batching, quantization and the
 KV cache layout of the later chapters are all ways of doing more work per byte moved.
 
-This module holds the ceilings (datasheet presets, and measured on this machine), the FLOP and
-byte counts of single ops and of a whole model step, the roofline plot, an interactive explorer
-and `python -m labkit roofline`.
+This module holds the ceilings (datasheet presets), the FLOP and byte counts of single ops and
+of a whole model step, and `python -m labkit roofline`. Two neighbours finish the lesson:
+`labkit/ceilings.py` measures this machine's ceilings (and times a real decode step), and
+`labkit/roofline_plot.py` draws the roofline and the interactive explorer. Their names can be
+imported from here too: `roofline.measure_ceilings`, `roofline.plot_roofline`, ...
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import importlib
 import json
 import math
-import os
-import platform
 import re
-import statistics
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from types import MappingProxyType
 
 import torch
-from torch.nn import functional as F
 
 from labkit.model import PRESETS, ModelConfig
 
@@ -201,218 +196,10 @@ def get_hardware(name: str | Hardware) -> Hardware:
     if isinstance(name, Hardware):
         return name
     if _hw_key(name) in ("THIS", "THISMACHINE", "MEASURED"):
+        from labkit.ceilings import measure_ceilings  # it imports this module: import on use
+
         return measure_ceilings("cuda" if torch.cuda.is_available() else "cpu")
     return HARDWARE[name]
-
-
-# ---------------------------------------------------------------------------------------------
-# measured ceilings of this machine
-
-_CEILINGS: dict[str, Hardware] = {}  # in-process cache, keyed like the files on disk
-_CEILINGS_VERSION = 1  # bump when the measurement changes: cached files go stale
-
-
-def _cache_dir() -> Path:
-    """$LABKIT_CACHE, else ~/.cache/labkit (the same rule as labkit.loading)."""
-    return Path(os.environ.get("LABKIT_CACHE") or Path.home() / ".cache" / "labkit").expanduser()
-
-
-def _device_name(device: torch.device) -> str:
-    """The CPU model or GPU name, for the cache key and the sources."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on the CPU, where work is synchronous)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], object], device: torch.device, inner: int = 1) -> float:
-    """Seconds per call of fn: CUDA events on a GPU, perf_counter on the CPU."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / inner  # elapsed_time is in ms
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    return (time.perf_counter() - t0) / inner
-
-
-def _best_of(fn: Callable[[], object], device: torch.device, budget_s: float, inner: int = 1,
-             min_reps: int = 3) -> tuple[float, int]:
-    """The fastest of repeated timings within a time budget: a ceiling is the best achieved."""
-    deadline = time.perf_counter() + budget_s
-    best, reps = math.inf, 0
-    while reps < min_reps or (time.perf_counter() < deadline and reps < 200):
-        best, reps = min(best, _timed(fn, device, inner)), reps + 1
-    return best, reps
-
-
-def _measure_bandwidth(device: torch.device, budget_s: float) -> tuple[float, str]:
-    """Bytes/s of a large copy into a preallocated buffer: (bytes read + written) / time."""
-    # the buffers must dwarf the last-level cache (32 MiB on this course's CPUs, 50 MiB L2 on
-    # an H100); both are allocated and touched before timing: a fresh allocation (clone())
-    # would time the page faults of new memory, not the memory itself
-    mib = 1024 if device.type == "cuda" else 128
-    n = mib * 2**20 // 4  # fp32 elements
-    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src).fill_(0.0)
-    dst.copy_(src)  # warm-up
-    _sync(device)
-    seconds, reps = _best_of(lambda: dst.copy_(src), device, budget_s)
-    source = (f"measured: copy of {mib} MiB into a preallocated buffer, (bytes read + bytes "
-              f"written) / time, best of {reps}")
-    return 2 * n * 4 / seconds, source  # read n*4 bytes, write n*4 bytes
-
-
-def _matmul_call(n: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator
-                 ) -> Callable[[], torch.Tensor]:
-    """A zero-argument call of an [n, n] @ [n, n] matmul into a preallocated output."""
-    a = torch.randn(n, n, generator=gen, device=device).to(dtype)  # a, b, c: [n, n]
-    b = torch.randn(n, n, generator=gen, device=device).to(dtype)
-    c = torch.empty(n, n, dtype=dtype, device=device)
-    return lambda: torch.matmul(a, b, out=c)
-
-
-def _measure_matmul(device: torch.device, dtype: str, budget_s: float) -> tuple[float, str]:
-    """FLOP/s of a square matmul in one dtype: 2 n^3 FLOPs over the best time."""
-    tdt = TORCH_DTYPES[dtype]
-    max_n = 8192 if device.type == "cuda" else 2048
-    inner = 10 if device.type == "cuda" else 1  # one GPU matmul is too short to time alone
-    deadline = time.perf_counter() + budget_s
-    gen = torch.Generator(device=device).manual_seed(0)  # on the device: no host copies
-    cuda = device.type == "cuda"
-    allow_tf32 = torch.backends.cuda.matmul.allow_tf32 if cuda else False
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"  # fp32 means true fp32
-    try:
-        n, prev_rate, best = 128, 0.0, (0.0, 0, 0)  # best: (FLOP/s, n, timed calls)
-        while True:
-            call = _matmul_call(n, tdt, device, gen)
-            call()  # warm-up: kernel selection, lazy init
-            t = min(_timed(call, device, inner), _timed(call, device, inner))
-            rate = 2 * n**3 / t
-            best = max(best, (rate, n, 2))
-            # grow n while one call of the next size (8x the work) fits in the budget, and
-            # either this call is too short to time well or the rate still climbs: small
-            # matmuls pay fixed costs (thread wake-ups; on a busy machine, whole scheduler
-            # slices). Sized by time, not FLOPs, because some dtypes run 100x slower on a CPU
-            # without native support (bf16 without AVX512-BF16 or AMX).
-            if (n >= max_n or 8 * t * inner > deadline - time.perf_counter()
-                    or (t * inner > 0.02 and rate < 1.3 * prev_rate)):
-                break
-            n, prev_rate = n * 2, rate
-        seconds, reps = _best_of(call, device, max(0.0, deadline - time.perf_counter()), inner,
-                                 min_reps=1)
-        best = max(best, (2 * n**3 / seconds, n, reps + 2))
-    finally:
-        if cuda:
-            torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    rate, n, reps = best
-    return rate, f"{dtype}: {n}x{n} matmul, best of {reps}"
-
-
-def _cpu_seconds() -> tuple[float, float, float] | None:
-    """(CPU-seconds all cores spent busy, of them by this process, wall clock); None off Linux."""
-    try:  # /proc/stat: cpu user nice system idle iowait irq softirq steal ... (in clock ticks)
-        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    busy = sum(ticks) - ticks[3] - ticks[4]  # steal counts as busy: the host gave it away
-    return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
-
-
-def _busy_elsewhere(since: tuple[float, float, float] | None) -> float:
-    """Cores kept busy by other processes since `since` (0 if unknown)."""
-    now = _cpu_seconds()
-    if since is None or now is None:
-        return 0.0
-    return max(0.0, ((now[0] - since[0]) - (now[1] - since[1])) / (now[2] - since[2]))
-
-
-def _memory_size(device: torch.device) -> tuple[float | None, str]:
-    """Bytes of memory of the device (GPU) or of the machine (CPU), and how we know."""
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        return float(total), "torch.cuda.get_device_properties().total_memory"
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return float(total), "os.sysconf: physical pages x page size"
-    except (AttributeError, ValueError, OSError):
-        return None, "unknown on this OS"
-
-
-def measure_ceilings(device: str | torch.device = "cpu", dtypes: Sequence[str] | None = None,
-                     budget_s: float = 3.0, refresh: bool = False) -> Hardware:
-    """This machine's ceilings, measured once in a few seconds, then cached (memory, disk)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("measure_ceilings('cuda'): no CUDA device is available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"measure_ceilings: device must be cpu or cuda, got {dev}")
-    if dtypes is None:
-        dtypes = ("fp32", "bf16") if dev.type == "cpu" else ("fp32", "tf32", "bf16", "fp16")
-    dtypes = tuple(dtypes)
-    for dt in dtypes:
-        if dt not in TORCH_DTYPES or (dt == "tf32" and dev.type != "cuda"):
-            raise ValueError(f"measure_ceilings: cannot measure {dt!r} on {dev.type}")
-    # the numbers depend on the chip, the thread count and the library versions
-    ident = json.dumps([_CEILINGS_VERSION, dev.type, _device_name(dev), torch.get_num_threads(),
-                        torch.__version__, dtypes, budget_s])
-    key = f"ceilings-{dev.type}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
-    path = _cache_dir() / f"{key}.json"
-    if not refresh:
-        if key in _CEILINGS:
-            return _CEILINGS[key]
-        try:
-            _CEILINGS[key] = Hardware(**json.loads(path.read_text()))
-            return _CEILINGS[key]
-        except (OSError, ValueError, TypeError):
-            pass  # not measured yet on this machine (or an unreadable file): measure now
-    # other processes competing for the cores make every number low: such a measurement is
-    # used, labelled, but not written to disk for later runs
-    start = _cpu_seconds() if dev.type == "cpu" else None
-    bandwidth, bw_source = _measure_bandwidth(dev, 0.35 * budget_s)
-    flops = {dt: _measure_matmul(dev, dt, 0.55 * budget_s / len(dtypes)) for dt in dtypes}
-    busy = _busy_elsewhere(start)
-    busy = busy if busy > 0.25 else 0.0  # a quarter core: background noise
-    memory, mem_source = _memory_size(dev)
-    where = (f"{_device_name(dev)}, torch {torch.__version__}, {torch.get_num_threads()} "
-             f"threads" if dev.type == "cpu" else f"{_device_name(dev)}, CUDA events")
-    note = f" [other processes kept {busy:.1f} cores busy: low numbers, not cached]" if busy \
-        else ""
-
-    hw = Hardware(
-        name=f"this machine ({dev.type})", peak_flops={dt: f for dt, (f, _) in flops.items()},
-        bandwidth=bandwidth, memory=memory,
-        flops_source=f"measured on {where}: " + "; ".join(s for _, s in flops.values()) + note,
-        bandwidth_source=f"{bw_source} ({where}){note}", memory_source=mem_source)
-    _CEILINGS[key] = hw
-    if busy:
-        return hw
-    try:  # write atomically: a concurrent reader sees the old file or the new one, never half
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(hw.as_dict(), f, indent=1)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache directory costs a re-measurement next time, nothing else
-    return hw
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,185 +479,6 @@ def step_cost(config: ModelConfig, batch: int, context_len: int, phase: str = "d
 
 
 # ---------------------------------------------------------------------------------------------
-# measuring a real decode step
-
-
-class _RandomKVAttention:
-    """Decode-only attention over a preallocated random KV context (for timing a step)."""
-
-    def __init__(self, cfg: ModelConfig, batch: int, context_len: int, dtype: torch.dtype,
-                 device: torch.device, seed: int = 0):
-        gen = torch.Generator().manual_seed(seed)
-        shape = (batch, cfg.num_kv_heads, context_len, cfg.head_dim)  # [B, Hkv, L, D]
-        self.k = [torch.randn(shape, generator=gen).to(device, dtype)
-                  for _ in range(cfg.num_layers)]
-        self.v = [torch.randn(shape, generator=gen).to(device, dtype)
-                  for _ in range(cfg.num_layers)]
-        self.cfg = cfg
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> torch.Tensor:
-        """Write the new K, V into the last slot; attend each sequence's query over it all."""
-        # q: [B, H, D]; k, v: [B, Hkv, D] (one new token per sequence)
-        cfg, b = self.cfg, q.shape[0]
-        k_cache, v_cache = self.k[layer], self.v[layer]  # [B, Hkv, L, D]
-        k_cache[:, :, -1] = k
-        v_cache[:, :, -1] = v
-        # query head h uses KV head h // G: a group's G query heads attend as G rows of one head,
-        # so each KV head is read once, as a GQA kernel does
-        g = cfg.num_heads // cfg.num_kv_heads
-        qg = q.view(b, cfg.num_kv_heads, g, cfg.head_dim)  # [B, Hkv, G, D]
-        o = F.scaled_dot_product_attention(qg, k_cache, v_cache)  # [B, Hkv, G, D]
-        return o.reshape(b, cfg.num_heads, cfg.head_dim)  # [B, H, D]
-
-
-def measure_decode_step(model: torch.nn.Module, batch: int = 1, context_len: int = 1024,
-                        repeats: int = 5) -> float:
-    """Median seconds of the model's forward for one decode token per sequence."""
-    if batch < 1 or context_len < 1 or repeats < 1:
-        raise ValueError("batch, context_len and repeats must be >= 1")
-    cfg = model.cfg
-    param = next(model.parameters())
-    attn = _RandomKVAttention(cfg, batch, context_len, param.dtype, param.device)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(cfg.vocab_size, (batch,), generator=gen).to(param.device)  # [B]
-    positions = torch.full((batch,), context_len - 1, device=param.device)  # [B]
-    model(ids, positions, attn)  # warm-up: allocator, kernel selection
-    times = []
-    for _ in range(repeats):
-        _sync(param.device)
-        t0 = time.perf_counter()
-        model(ids, positions, attn)
-        _sync(param.device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-# ---------------------------------------------------------------------------------------------
-# pictures
-
-
-@dataclass(frozen=True)
-class RooflinePoint:
-    """A point to place on the plot: a measured op (achieved FLOP/s) or a predicted one."""
-
-    label: str
-    intensity: float  # FLOP/byte
-    flops_per_s: float
-    measured: bool = True
-
-    @staticmethod
-    def timed(op: OpCost, seconds: float, label: str | None = None) -> RooflinePoint:
-        """An op that ran in `seconds`: achieved FLOP/s = its FLOPs / seconds."""
-        return RooflinePoint(label or op.name, op.intensity, op.flops / seconds, True)
-
-
-def plot_roofline(hardware: Hardware | str | Sequence[Hardware | str],
-                  points: Sequence[RooflinePoint | OpCost | StepCost] = (), dtype: str = "bf16",
-                  ax=None, title: str | None = None):
-    """Draw the roofs of one or more chips, their ridges, and ops/steps placed on them."""
-    import matplotlib.pyplot as plt
-
-    chips = [get_hardware(h) for h in (
-        [hardware] if isinstance(hardware, (str, Hardware)) else hardware)]
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 5))
-    placed = []
-    for p in points:  # a predicted step sits on its own chip's roof; a bare op on the first
-        if isinstance(p, RooflinePoint):
-            placed.append(p)
-        elif isinstance(p, StepCost):
-            label = f"{p.phase} B={p.batch} L={p.context_len}"
-            placed.append(RooflinePoint(label, p.intensity,
-                                        min(p.peak_flops, p.intensity * p.bandwidth), False))
-        else:
-            placed.append(RooflinePoint(p.name, p.intensity, p.attainable(chips[0]), False))
-    xs = [p.intensity for p in placed] + [hw.ridge(_has(hw, dtype)) for hw in chips]
-    lo, hi = min(xs + [1.0]) / 4, max(xs + [1.0]) * 4
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, hw in enumerate(chips):
-        dt, color = _has(hw, dtype), colors[i % len(colors)]
-        ridge, peak = hw.ridge(dt), hw.peak(dt)
-        ax.loglog([lo, ridge, hi], [lo * hw.bandwidth, peak, peak], color=color, lw=2,
-                  label=f"{hw.name}: {_si(peak, 'FLOP/s')} {dt}, {_si(hw.bandwidth, 'B/s')}")
-        ax.axvline(ridge, color=color, ls=":", lw=1)
-        ax.annotate(f"ridge {ridge:.3g}", (ridge, peak), textcoords="offset points",
-                    xytext=(4, -14), color=color, fontsize=8)
-    for i, p in enumerate(placed):
-        ax.plot(p.intensity, p.flops_per_s, "o" if p.measured else "s", ms=7,
-                mfc="black" if p.measured else "white", mec="black")
-        ax.annotate(p.label, (p.intensity, p.flops_per_s), textcoords="offset points",
-                    xytext=(6, 4 if i % 2 == 0 else -12), fontsize=8)  # alternate: no overlap
-    ax.set_xlim(lo, hi)
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("FLOP/s")
-    ax.set_title(title or "roofline (filled: measured; open: predicted, on the roof)")
-    ax.legend(fontsize=8, loc="lower right")
-    ax.grid(True, which="both", alpha=0.2)
-    return ax
-
-
-def _si(value: float, unit: str) -> str:
-    """3 significant digits with an SI prefix: 989.5e12 FLOP/s -> '990 TFLOP/s'."""
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M")):
-        if value >= scale:
-            return f"{value / scale:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
-
-
-def _has(hw: Hardware, dtype: str) -> str:
-    """dtype if the chip has a peak for it, else its fastest float format."""
-    return dtype if dtype in hw.peak_flops else _compute_dtype(hw, "int8")
-
-
-def explore(hardware: str = "H200", model: str = "smollm2-135m"):
-    """An interactive roofline: pick chip, model, batch, context, dtypes; see the step time."""
-    import ipywidgets as widgets
-    import matplotlib.pyplot as plt
-    from IPython.display import display
-
-    dtypes = ["bf16", "fp16", "fp8", "int8", "int4", "fp4", "fp32"]
-    controls = {
-        "hardware": widgets.Dropdown(options=[*HARDWARE, "this"], description="hardware",
-                                     value=_hw_key(hardware) if hardware in HARDWARE else "this"),
-        "model": widgets.Dropdown(options=list(PRESETS), value=model, description="model"),
-        "phase": widgets.ToggleButtons(options=["decode", "prefill"], value="decode"),
-        "batch": widgets.SelectionSlider(options=[2**i for i in range(11)], value=1,
-                                         description="batch"),
-        "context": widgets.SelectionSlider(options=[2**i for i in range(7, 18)], value=1024,
-                                           description="context"),
-        "weight_dtype": widgets.Dropdown(options=dtypes, value="bf16", description="weights"),
-        "kv_dtype": widgets.Dropdown(options=dtypes, value="bf16", description="KV"),
-    }
-    out = widgets.Output()
-
-    def redraw(_=None) -> None:
-        v = {name: c.value for name, c in controls.items()}
-        with out:
-            out.clear_output(wait=True)
-            try:
-                cost = step_cost(PRESETS[v["model"]](), v["batch"], v["context"], v["phase"],
-                                 v["weight_dtype"], v["kv_dtype"], hardware=v["hardware"])
-            except (KeyError, ValueError) as err:
-                print(f"cannot predict this step: {err}")
-                return
-            fig, ax = plt.subplots(figsize=(7.5, 4.5))
-            plot_roofline(get_hardware(v["hardware"]), [cost], dtype=cost.compute_dtype, ax=ax)
-            display(fig)
-            plt.close(fig)
-            print(cost.summary())
-
-    for c in controls.values():
-        c.observe(redraw, names="value")
-    redraw()
-    c = controls
-    return widgets.VBox([
-        widgets.HBox([c["hardware"], c["model"], c["phase"]]),
-        widgets.HBox([c["batch"], c["context"]]),
-        widgets.HBox([c["weight_dtype"], c["kv_dtype"]]), out])
-
-
-# ---------------------------------------------------------------------------------------------
 # python -m labkit roofline
 
 
@@ -949,3 +557,29 @@ def main(argv: list[str]) -> int:
               f"{c.intensity:>8.3g} {c.floor_s * 1e3:>10.4g} {c.bound:>8} "
               f"{c.tokens_per_s:>12,.0f}")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# names that live in the neighbouring modules
+
+# labkit/ceilings.py and labkit/roofline_plot.py import Hardware, the counts and step_cost from
+# here, so this module cannot import them at its top (that would be a cycle). It hands their
+# names out on first use instead: `from labkit.roofline import plot_roofline` still works. The
+# lookup happens on every access, so roofline._CEILINGS is always the dict ceilings.py uses.
+_ELSEWHERE = {
+    "measure_ceilings": "labkit.ceilings", "measure_decode_step": "labkit.ceilings",
+    "_CEILINGS": "labkit.ceilings", "_RandomKVAttention": "labkit.ceilings",
+    "RooflinePoint": "labkit.roofline_plot", "plot_roofline": "labkit.roofline_plot",
+    "explore": "labkit.roofline_plot"}
+
+
+def __getattr__(name: str):
+    """A name from labkit.ceilings or labkit.roofline_plot, imported when first asked for."""
+    if name in _ELSEWHERE:
+        return getattr(importlib.import_module(_ELSEWHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """This module's names and those it hands out, for tab completion."""
+    return sorted([*globals(), *_ELSEWHERE])

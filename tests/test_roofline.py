@@ -10,7 +10,7 @@ import matplotlib
 import pytest
 import torch
 
-from labkit import roofline
+from labkit import ceilings, roofline
 from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.roofline import HARDWARE, main, step_cost
 
@@ -162,12 +162,12 @@ def test_weight_dtype_and_bandwidth_move_the_floor():
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LABKIT_CACHE", str(tmp_path))
-    monkeypatch.setattr(roofline, "_CEILINGS", {})
+    monkeypatch.setattr(ceilings, "_CEILINGS", {})
     return tmp_path
 
 
 def test_measure_ceilings_cpu_is_bounded_positive_and_cached(fresh_cache, monkeypatch):
-    monkeypatch.setattr(roofline, "_busy_elsewhere", lambda since: 0.0)  # cache even if busy
+    monkeypatch.setattr(ceilings, "_busy_elsewhere", lambda since: 0.0)  # cache even if busy
     t0 = time.perf_counter()
     hw = roofline.measure_ceilings("cpu", budget_s=1.0)
     took = time.perf_counter() - t0
@@ -186,7 +186,7 @@ def test_measure_ceilings_cpu_is_bounded_positive_and_cached(fresh_cache, monkey
 
 
 def test_a_busy_machine_is_labelled_and_not_cached(fresh_cache, monkeypatch):
-    monkeypatch.setattr(roofline, "_busy_elsewhere", lambda since: 1.5)
+    monkeypatch.setattr(ceilings, "_busy_elsewhere", lambda since: 1.5)
     hw = roofline.measure_ceilings("cpu", dtypes=("fp32",), budget_s=0.5)
     assert "not cached" in hw.bandwidth_source
     assert not list(fresh_cache.glob("ceilings-*.json"))
