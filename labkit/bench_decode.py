@@ -4,7 +4,7 @@ For each stream count, the same requests (one short chat prompt per stream, `--t
 tokens each, greedy, run to length) are decoded by the blocking and the pipelined loop on the
 same device *taking turns*: `--segment` steps of one, then as many of the other, until the
 requests are done, `--repeats` workloads in all. Each adjacent pair of turns is one sample, its
-ms per step measured in steady state (launch to launch); the table reports medians over the
+ms per step measured in steady state (launch to launch); the table reports means over the
 pairs, in the shape of Photon's table. Turns, not whole runs, because a shared machine changes
 speed within seconds: two runs a second apart can differ by more than the pipeline wins.
 
@@ -15,7 +15,7 @@ plan, launch, and the round trip), so the pipeline can at best turn `T_host + T_
 
     predicted speedup = (T_host + T_device) / max(T_host, T_device)
 
-"of predicted" is the median over pairs of measured speedup / predicted speedup. The zombie tax
+"of predicted" is measured speedup / predicted speedup. The zombie tax
 is the share of decode rows a whole pipelined run spent on sequences that had already finished
 (one per sequence: 1/110 at one stream for 110-token sequences).
 """
@@ -156,7 +156,7 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
     """One row of the table: blocking and pipelined at `streams` concurrent requests.
 
     The timing comes from `repeats` workloads each decoded by the two loops in alternating
-    turns (`paired_segments`); every figure is the median over all pairs. One whole run of
+    turns (`paired_segments`); every figure is the mean over all pairs. One whole run of
     each loop gives the timelines (for plots) and the zombie count. `constraint`: None, or a
     key of `CONSTRAINTS` (every request answers with a point or a box).
     """
@@ -272,7 +272,7 @@ def main(argv: list[str]) -> int:
     for hw, s, b, pl, gain in PHOTON:
         print(f"{'Photon ' + hw + ' (published)':<34} {s:>7} {b:>11.2f} {pl:>12.2f} "
               f"{gain:>+7.1f}%")
-    note = (f"model {args.model}, {args.tokens} tokens per request; medians over "
+    note = (f"model {args.model}, {args.tokens} tokens per request; means over "
             f"{', '.join(str(r['pairs']) for r in rows)} pairs of {args.segment}-step turns; "
             f"zombie tax = decode rows run for finished sequences (Photon: ~1% at 1 stream)")
     if args.constraint:
