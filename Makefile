@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: lab test setup grade lint gpu-check clean-cache
+.PHONY: lab test setup grade lint gpu-check gpu-carry clean-cache
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,9 @@ lint: setup
 
 gpu-check: setup
 	bash scripts/gpu_check.sh
+
+gpu-carry: setup  # what a GPU machine without a package index needs (see scripts/gpu_carry.sh)
+	bash scripts/gpu_carry.sh
 
 clean-cache:
 	rm -rf $${LABKIT_CACHE:-$$HOME/.cache/labkit}

@@ -108,11 +108,24 @@ def packaged_gguf() -> Path:
     return path
 
 
+_FINGERPRINT_BYTES = 4 << 20  # hashed from each end of the file
+
+
 def _cache_entry(gguf_path: Path) -> Path:
-    """The cache directory for one GGUF file: changes whenever the file or the loader changes."""
-    st = gguf_path.stat()
-    key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CACHE_VERSION}"
-    return cache_dir() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    """The cache directory for one GGUF file: changes whenever the file or the loader changes.
+
+    Keyed by the file's content (its size and a hash of its first and last 4 MiB: a header and
+    tensors at both ends), not its path or time stamp, so that reinstalling the same package
+    into a new environment finds the same ~1 GB entry instead of building another.
+    """
+    size = gguf_path.stat().st_size
+    h = hashlib.sha256(f"{size}|v{CACHE_VERSION}|".encode())
+    with open(gguf_path, "rb") as f:
+        h.update(f.read(_FINGERPRINT_BYTES))
+        if size > _FINGERPRINT_BYTES:
+            f.seek(max(_FINGERPRINT_BYTES, size - _FINGERPRINT_BYTES))
+            h.update(f.read())
+    return cache_dir() / f"{gguf_path.stem}-{h.hexdigest()[:12]}"
 
 
 def _build_atomically(final: Path, build: Callable[[Path], None]) -> Path:

