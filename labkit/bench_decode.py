@@ -205,6 +205,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, or a path")
     p.add_argument("--device", choices=("auto", "process", "cuda", "inprocess"),
                    default="auto", help="auto: cuda when present, else the simulated process")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights and KV cache (bfloat16: what a GPU serves in)")
     p.add_argument("--tokens", type=int, default=110, help="new tokens per request")
     p.add_argument("--repeats", type=int, default=3, help="workloads timed per row")
     p.add_argument("--segment", type=int, default=12,
@@ -236,7 +238,7 @@ def main(argv: list[str]) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "process"
     try:
-        model, tok = load_model(args.model)
+        model, tok = load_model(args.model, getattr(torch, args.dtype))
     except (ValueError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -254,7 +256,7 @@ def main(argv: list[str]) -> int:
         engine.close()
     for r in rows:
         r.pop("timelines")
-        r.update(device=hardware, model=args.model, tokens=args.tokens,
+        r.update(device=hardware, model=args.model, dtype=args.dtype, tokens=args.tokens,
                  constraint=args.constraint, extra_host_ms=args.extra_host_ms)
     if args.json:
         for r in rows:
@@ -272,7 +274,7 @@ def main(argv: list[str]) -> int:
     for hw, s, b, pl, gain in PHOTON:
         print(f"{'Photon ' + hw + ' (published)':<34} {s:>7} {b:>11.2f} {pl:>12.2f} "
               f"{gain:>+7.1f}%")
-    note = (f"model {args.model}, {args.tokens} tokens per request; means over "
+    note = (f"model {args.model} ({args.dtype}), {args.tokens} tokens per request; means over "
             f"{', '.join(str(r['pairs']) for r in rows)} pairs of {args.segment}-step turns; "
             f"zombie tax = decode rows run for finished sequences (Photon: ~1% at 1 stream)")
     if args.constraint:

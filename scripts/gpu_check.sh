@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU check: every test marked `cuda`, then `bench decode` on CUDA (SmolLM2 at 1 and 32
-# streams, plus the tiny model), figures written to RESULTS_FILE. Under 8 minutes on one GPU.
+# streams in bf16 and fp32, plus the tiny model), figures written to RESULTS_FILE. Under 8
+# minutes on one GPU.
 #
 #   bash scripts/gpu_check.sh [RESULTS_FILE]     (default: results/gpu/<date>-<gpu>.json)
 #
@@ -33,17 +34,21 @@ $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smoll
 TMP=$(mktemp -d)
 status=0
 echo "== tests marked cuda"
-timeout 240 $PY -m pytest -q -m cuda tests/ -p no:cacheprovider 2>&1 | tee "$TMP/tests.log" || status=1
-echo "== bench decode, $MODEL, streams 1,32"
-timeout 200 $PY -m labkit bench decode --device cuda --model "$MODEL" --streams 1,32 \
-  --tokens 110 --repeats 3 --json | tee "$TMP/bench_smollm2.jsonl" || status=1
+timeout 180 $PY -m pytest -q -m cuda tests/ -p no:cacheprovider 2>&1 | tee "$TMP/tests.log" || status=1
+for DTYPE in bfloat16 float32; do  # bf16 is what a GPU serves in: the headline row
+  echo "== bench decode, $MODEL ($DTYPE), streams 1,32"
+  timeout 120 $PY -m labkit bench decode --device cuda --model "$MODEL" --dtype $DTYPE \
+    --streams 1,32 --tokens 110 --repeats 3 --json | tee "$TMP/bench_smollm2_$DTYPE.jsonl" \
+    || status=1
+done
 echo "== bench decode, tiny, streams 1,32"
 timeout 60 $PY -m labkit bench decode --device cuda --model tiny --streams 1,32 \
   --tokens 110 --repeats 3 --json | tee "$TMP/bench_tiny.jsonl" || status=1
 $PY - "$TMP" "$OUT_FILE" "$MODEL" <<'PYEOF'
 import datetime, json, pathlib, sys, torch
 tmp, out, model = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-rows = [json.loads(l) for f in ("bench_smollm2.jsonl", "bench_tiny.jsonl")
+rows = [json.loads(l) for f in ("bench_smollm2_bfloat16.jsonl", "bench_smollm2_float32.jsonl",
+                                 "bench_tiny.jsonl") if (tmp / f).exists()
         for l in (tmp / f).read_text().splitlines() if l.startswith("{")]
 tests = (tmp / "tests.log").read_text().strip().splitlines()
 record = {"device": torch.cuda.get_device_name(0), "date": datetime.date.today().isoformat(),

@@ -274,3 +274,23 @@ def test_simulated_device_gets_a_core_of_its_own():
         engine.on_step = None
     assert seen and all(s == dev.host_cpus for s in seen)  # the loop ran off the device's core
     assert os.sched_getaffinity(0) == before  # and the caller got its cores back
+
+
+@pytest.mark.parametrize("dev", ["inprocess", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_bfloat16_weights_and_cache_decode_alike_in_both_loops(dev):
+    """What a GPU serves in (`bench decode --dtype bfloat16`): bf16 weights, bf16 KV cache."""
+    model = init_random(LlamaModel(CFG).eval(), seed=1).to(torch.bfloat16)
+    engine = Engine(model, None, kv_tokens=256, block_size=8, max_seqs=4, device=dev)
+    try:
+        out = {}
+        for decoder in DECODERS:
+            ids = [engine.submit([3 + i] * (2 + i), SamplingParams(
+                max_new_tokens=6, temperature=0.8 * (i % 2), seed=i, ignore_eos=True))
+                for i in range(3)]
+            engine.run(decoder)
+            engine.check_all_released()
+            out[decoder] = [engine.seqs[i].output_ids for i in ids]
+        assert out["blocking"] == out["pipelined"]
+        assert all(len(o) == 6 for o in out["blocking"])
+    finally:
+        engine.close()
