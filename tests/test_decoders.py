@@ -294,3 +294,14 @@ def test_bfloat16_weights_and_cache_decode_alike_in_both_loops(dev):
         assert all(len(o) == 6 for o in out["blocking"])
     finally:
         engine.close()
+
+
+def test_a_device_that_cannot_start_says_why_at_once():
+    """Bad input reaches the device process: the host gets its traceback, not a 120 s wait."""
+    import time
+
+    from labkit.device import DeviceError, ProcessDevice
+    t0 = time.monotonic()
+    with pytest.raises(DeviceError, match="failed to start(.|\n)*cache must be 'paged'"):
+        ProcessDevice(MODEL, num_blocks=8, block_size=8, max_seqs=2, cache="bogus")
+    assert time.monotonic() - t0 < 60
