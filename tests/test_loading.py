@@ -108,7 +108,7 @@ def cache(tmp_path, monkeypatch):
     """An empty LABKIT_CACHE and an empty in-process memo, for this test only."""
     monkeypatch.setenv("LABKIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loading, "_WEIGHTS", {})
-    monkeypatch.setattr(loading, "_TOKENIZERS", {})
+    monkeypatch.setattr("labkit.tokenizer._TOKENIZERS", {})
     return tmp_path / "cache"
 
 
@@ -130,7 +130,7 @@ def test_gguf_round_trip_through_the_cache(tmp_path, cache, monkeypatch, tied):
     (entry,) = cache.iterdir()
     assert sorted(p.name for p in entry.iterdir()) == ["model", "tokenizer"]
     monkeypatch.setattr(loading, "_WEIGHTS", {})
-    monkeypatch.setattr(loading, "_TOKENIZERS", {})
+    monkeypatch.setattr("labkit.tokenizer._TOKENIZERS", {})
     with monkeypatch.context() as m:
         m.setattr(loading, "read_gguf", lambda *a: pytest.fail("cache missed: GGUF read again"))
         again, _ = load_model(str(path))
@@ -267,7 +267,7 @@ def test_smollm2_config_and_tokenizer(smollm2):
 def test_smollm2_cached_load_is_fast(smollm2, monkeypatch):
     # the fixture loaded it once (dequantizing if this machine never had); now only the disk cache
     monkeypatch.setattr(loading, "_WEIGHTS", {})
-    monkeypatch.setattr(loading, "_TOKENIZERS", {})
+    monkeypatch.setattr("labkit.tokenizer._TOKENIZERS", {})
     start = time.perf_counter()
     model, tok = load_model("smollm2-135m")
     seconds = time.perf_counter() - start
@@ -332,7 +332,7 @@ def test_tokenizer_from_gguf_is_cached(tmp_path, cache, monkeypatch):
     path = tmp_path / "tiny.gguf"
     write_gguf(path, tiny_model(seed=1))
     first = tokenizer_from_gguf(path)
-    monkeypatch.setattr(loading, "_TOKENIZERS", {})
+    monkeypatch.setattr("labkit.tokenizer._TOKENIZERS", {})
     from transformers import AutoTokenizer
 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained",
