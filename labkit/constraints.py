@@ -31,14 +31,15 @@ re-exports both, so `from labkit.constraints import Vocab, Point, Box` works as 
 
 from __future__ import annotations
 
-import importlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from labkit.reexport import reexport
 
 if TYPE_CHECKING:  # the same names, for readers and type checkers; at run time see __getattr__
     from labkit.constraints_json import Box, Point, number_alive, number_value
@@ -310,19 +311,6 @@ _MOVED = {"Vocab": "labkit.vocab", "Point": "labkit.constraints_json",
           "number_value": "labkit.constraints_json"}
 
 
-def __getattr__(name: str) -> Any:
-    """`labkit.constraints.Vocab` and friends, imported on first use (PEP 562).
-
-    Those modules import `Constraint` and `ConstraintError` from here, so importing them at the
-    top of this file would be a cycle; looking them up late lets either side be imported first.
-    """
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MOVED[name]), name)
-    globals()[name] = value  # found directly next time
-    return value
-
-
-def __dir__() -> list[str]:
-    """The names defined here and the ones re-exported, for dir() and tab completion."""
-    return sorted({*globals(), *_MOVED})
+# Those modules import `Constraint` and `ConstraintError` from here, so importing them at the
+# top of this file would be a cycle; labkit/reexport.py looks them up when first asked for.
+__getattr__, __dir__ = reexport(__name__, _MOVED)

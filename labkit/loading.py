@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from labkit.model import LlamaModel, ModelConfig, init_random
+from labkit.reexport import reexport
 
 if TYPE_CHECKING:  # the same names, for readers and type checkers; at run time see __getattr__
     from labkit.tokenizer import (
@@ -128,6 +129,7 @@ def packaged_gguf() -> Path:
 
 
 _FINGERPRINT_BYTES = 4 << 20  # hashed from each end of the file
+_ENTRIES: dict[tuple[Path, int, int], str] = {}  # (path, size, mtime) -> the entry's name
 
 
 def _cache_entry(gguf_path: Path) -> Path:
@@ -137,14 +139,19 @@ def _cache_entry(gguf_path: Path) -> Path:
     tensors at both ends), not its path or time stamp, so that reinstalling the same package
     into a new environment finds the same ~1 GB entry instead of building another.
     """
-    size = gguf_path.stat().st_size
+    st = gguf_path.stat()
+    seen = (gguf_path.resolve(), st.st_size, st.st_mtime_ns)  # one load asks several times:
+    if seen in _ENTRIES:  # hash the file once per process (unless it changes)
+        return cache_dir() / _ENTRIES[seen]
+    size = st.st_size
     h = hashlib.sha256(f"{size}|v{CACHE_VERSION}|".encode())
     with open(gguf_path, "rb") as f:
         h.update(f.read(_FINGERPRINT_BYTES))
         if size > _FINGERPRINT_BYTES:
             f.seek(max(_FINGERPRINT_BYTES, size - _FINGERPRINT_BYTES))
             h.update(f.read())
-    return cache_dir() / f"{gguf_path.stem}-{h.hexdigest()[:12]}"
+    _ENTRIES[seen] = f"{gguf_path.stem}-{h.hexdigest()[:12]}"
+    return cache_dir() / _ENTRIES[seen]
 
 
 def _build_atomically(final: Path, build: Callable[[Path], None]) -> Path:
@@ -445,19 +452,6 @@ _MOVED = {"IncrementalDetokenizer": "labkit.tokenizer", "Tokenizer": "labkit.tok
           "smollm2_tokenizer": "labkit.tokenizer", "tokenizer_from_gguf": "labkit.tokenizer"}
 
 
-def __getattr__(name: str) -> Any:
-    """`labkit.loading.Tokenizer` and friends, imported on first use (PEP 562).
-
-    labkit.tokenizer imports the cache helpers from here, so importing it at the top of this file
-    would be a cycle; looking its names up late lets either side be imported first.
-    """
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MOVED[name]), name)
-    globals()[name] = value  # found directly next time
-    return value
-
-
-def __dir__() -> list[str]:
-    """The names defined here and the ones re-exported, for dir() and tab completion."""
-    return sorted({*globals(), *_MOVED})
+# labkit.tokenizer imports the cache helpers from here, so importing it at the top of this file
+# would be a cycle; labkit/reexport.py looks its names up when first asked for.
+__getattr__, __dir__ = reexport(__name__, _MOVED)

@@ -18,7 +18,6 @@ imported from here too: `roofline.measure_ceilings`, `roofline.plot_roofline`, .
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import re
@@ -30,6 +29,7 @@ from types import MappingProxyType
 import torch
 
 from labkit.model import PRESETS, ModelConfig
+from labkit.reexport import reexport
 
 # bytes per element of each number format; int4/fp4 pack two values in a byte. Group-wise int4
 # also stores one 16-bit scale per group of g weights (2/g bytes each: 1.6% more at g = 128),
@@ -563,9 +563,9 @@ def main(argv: list[str]) -> int:
 # names that live in the neighbouring modules
 
 # labkit/ceilings.py and labkit/roofline_plot.py import Hardware, the counts and step_cost from
-# here, so this module cannot import them at its top (that would be a cycle). It hands their
-# names out on first use instead: `from labkit.roofline import plot_roofline` still works. The
-# lookup happens on every access, so roofline._CEILINGS is always the dict ceilings.py uses.
+# here, so this module cannot import them at its top (a cycle); labkit/reexport.py hands their
+# names out instead: `from labkit.roofline import plot_roofline` still works, and
+# roofline._CEILINGS is always the dict ceilings.py uses.
 _ELSEWHERE = {
     "measure_ceilings": "labkit.ceilings", "measure_decode_step": "labkit.ceilings",
     "_CEILINGS": "labkit.ceilings", "_RandomKVAttention": "labkit.ceilings",
@@ -573,13 +573,4 @@ _ELSEWHERE = {
     "explore": "labkit.roofline_plot"}
 
 
-def __getattr__(name: str):
-    """A name from labkit.ceilings or labkit.roofline_plot, imported when first asked for."""
-    if name in _ELSEWHERE:
-        return getattr(importlib.import_module(_ELSEWHERE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    """This module's names and those it hands out, for tab completion."""
-    return sorted([*globals(), *_ELSEWHERE])
+__getattr__, __dir__ = reexport(__name__, _ELSEWHERE)
