@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+from labkit.decoders import run
 from labkit.engine import Completion, Engine
 from labkit.sampling import SamplingParams
 from labkit.scheduler import RequestError
 
 __version__ = "0.1.0"
-__all__ = ["Completion", "Engine", "RequestError", "SamplingParams", "generate", "get_engine"]
+__all__ = ["Completion", "Engine", "RequestError", "SamplingParams", "generate", "get_engine",
+           "run"]
 
 _ENGINES: dict[tuple, Engine] = {}
 
@@ -65,7 +67,7 @@ def generate(prompts, params: SamplingParams | list[SamplingParams] | None = Non
         engine.scheduler.check_request(ids, params_list[i].max_new_tokens)
         constraint = None
         if spec is not None:
-            from labkit.constraints import parse_constraint
+            from labkit.constraints_json import parse_constraint
             constraint = parse_constraint(spec, engine.vocab)
         encoded.append((ids, constraint))
     index_of = {}
@@ -75,7 +77,7 @@ def generate(prompts, params: SamplingParams | list[SamplingParams] | None = Non
         engine.on_text = lambda rid, text: on_text(index_of[rid], text) if rid in index_of \
             else None
     try:
-        engine.run(decoder)
+        run(engine, decoder)
     finally:
         engine.on_text = None
     out = [engine.completion(rid, i, prompts[i] if isinstance(prompts[i], str) else None)

@@ -13,7 +13,7 @@ COMMANDS = {
     "generate": ("labkit.cli", "generate_main", "generate text with the engine"),
     "info": ("labkit.cli", "info_main", "versions, threads, device, model cache"),
     "bench": ("labkit.bench", "main", "benchmarks: `bench generate`, `bench decode`"),
-    "roofline": ("labkit.roofline", "main", "roofline analysis of a model on a device"),
+    "roofline": ("labkit.cli", "roofline_main", "roofline analysis of a model on a device"),
 }
 
 

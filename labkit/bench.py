@@ -90,10 +90,10 @@ def hf_reference_model(dtype: torch.dtype = torch.float32):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from labkit.loading import _build_atomically, _cache_entry, packaged_gguf
+    from labkit.cache import build_atomically, cache_entry, packaged_gguf
 
     gguf = packaged_gguf()
-    entry = _cache_entry(gguf) / "hf-reference"
+    entry = cache_entry(gguf) / "hf-reference"
 
     def build(tmp: Path) -> None:
         try:
@@ -113,7 +113,7 @@ def hf_reference_model(dtype: torch.dtype = torch.float32):
             state.pop("lm_head.weight", None)
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
 
-    _build_atomically(entry, build)
+    build_atomically(entry, build)
     return AutoModelForCausalLM.from_pretrained(entry, dtype=dtype, local_files_only=True).eval()
 
 

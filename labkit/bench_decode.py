@@ -30,6 +30,8 @@ import sys
 
 import torch
 
+from labkit.decoders import run
+
 # Photon's published figures, for the table: (hardware, streams, blocking ms/step, pipelined
 # ms/step, the speedup as published). Source: Moondream's Photon write-up (shared/seeds). The
 # published speedups are quoted as given; they do not all equal blocking / pipelined - 1.
@@ -86,7 +88,7 @@ def run_once(engine, prompt_ids: list[list[int]], tokens: int, decoder: str,
     zombies0, rows0 = engine.zombie_rows, engine.decode_rows
     ids = submit_workload(engine, prompt_ids, tokens, constraint)
     with Timeline.record(engine) as tl:
-        engine.run(decoder)
+        run(engine, decoder)
     engine.check_all_released()
     for rid in ids:
         engine.forget(rid)
@@ -131,7 +133,7 @@ def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: i
     while not engine.scheduler.idle():
         decoder = order[len(turns) % 2]
         with Timeline.record(engine) as tl:
-            engine.run(decoder, max_steps=segment)
+            run(engine, decoder, max_steps=segment)
         turns.append((decoder, steady_ms_per_step(tl)))
     engine.check_all_released()
     for rid in ids:
@@ -156,7 +158,7 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
     each loop gives the timelines (for plots) and the zombie count. `constraint`: None, or a
     key of `CONSTRAINTS` (every request answers with a point or a box).
     """
-    from labkit.constraints import parse_constraint
+    from labkit.constraints_json import parse_constraint
 
     fsm = parse_constraint(CONSTRAINTS[constraint], engine.vocab) if constraint else None
     vocab = engine.model.cfg.vocab_size

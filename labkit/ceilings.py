@@ -26,19 +26,15 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from labkit.cache import cache_dir
 from labkit.model import ModelConfig
-from labkit.roofline import TORCH_DTYPES, Hardware
+from labkit.roofline import TORCH_DTYPES, Hardware, _hw_key, get_hardware
 
 # ---------------------------------------------------------------------------------------------
 # measured ceilings of this machine
 
 _CEILINGS: dict[str, Hardware] = {}  # in-process cache, keyed like the files on disk
 _CEILINGS_VERSION = 1  # bump when the measurement changes: cached files go stale
-
-
-def _cache_dir() -> Path:
-    """$LABKIT_CACHE, else ~/.cache/labkit (the same rule as labkit.loading)."""
-    return Path(os.environ.get("LABKIT_CACHE") or Path.home() / ".cache" / "labkit").expanduser()
 
 
 def _device_name(device: torch.device) -> str:
@@ -198,7 +194,7 @@ def measure_ceilings(device: str | torch.device = "cpu", dtypes: Sequence[str] |
     ident = json.dumps([_CEILINGS_VERSION, dev.type, _device_name(dev), torch.get_num_threads(),
                         torch.__version__, dtypes, budget_s])
     key = f"ceilings-{dev.type}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
-    path = _cache_dir() / f"{key}.json"
+    path = cache_dir() / f"{key}.json"
     if not refresh:
         if key in _CEILINGS:
             return _CEILINGS[key]
@@ -292,3 +288,11 @@ def measure_decode_step(model: torch.nn.Module, batch: int = 1, context_len: int
         _sync(param.device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def resolve_hardware(name: str | Hardware) -> Hardware:
+    """A preset by name, or "this" (also "this machine", "measured"): this machine's measured
+    ceilings, CUDA if present."""
+    if isinstance(name, str) and _hw_key(name) in ("THIS", "THISMACHINE", "MEASURED"):
+        return measure_ceilings("cuda" if torch.cuda.is_available() else "cpu")
+    return get_hardware(name)

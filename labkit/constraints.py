@@ -24,14 +24,13 @@ The kinds, as JSONL requests spell them (`parse_constraint`):
   `{"x_min": 0.1, "y_min": 0.2, "x_max": 0.5, "y_max": 0.6}`, with x_min <= x_max and
   y_min <= y_max (a box with its corners swapped is not a box).
 
-The numeric kinds, their canonical spelling and their number grammar live in
-`labkit.constraints_json`; the token strings and their tries in `labkit.vocab`. This module
-re-exports both, so `from labkit.constraints import Vocab, Point, Box` works as it always has.
+This module holds the lift and `Choice`. The numeric kinds, their canonical spelling, their
+number grammar and `parse_constraint` (a request's JSON spec to a constraint) live in
+`labkit.constraints_json`; the token strings and their tries in `labkit.vocab`.
 """
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -39,14 +38,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from labkit.reexport import reexport
-
-if TYPE_CHECKING:  # the same names, for readers and type checkers; at run time see __getattr__
-    from labkit.constraints_json import Box, Point, number_alive, number_value
+if TYPE_CHECKING:  # for annotations only: labkit.vocab imports ConstraintError from here
     from labkit.vocab import Vocab
-
-__all__ = ["Box", "Choice", "Constraint", "ConstraintError", "Point", "State", "Vocab",
-           "number_alive", "number_value", "parse_constraint"]
 
 State = Hashable  # opaque to the decoders: start() makes one, advance() makes the next
 
@@ -269,48 +262,3 @@ class Choice(Constraint):
     def is_accepting(self, state: State) -> bool:
         """Whether the text so far is one of the options."""
         return state in self.options
-
-
-# ---------------------------------------------------------------------------------- parsing
-
-
-def parse_constraint(spec: dict, vocab: Vocab) -> Constraint:
-    """Build the constraint a JSONL request names, e.g. {"choice": ["yes", "no"]} (cached)."""
-    if not isinstance(spec, dict) or len(spec) != 1:
-        raise ConstraintError(
-            f"a constraint is one of {{'choice': [...]}}, {{'point': {{...}}}}, "
-            f"{{'box': {{...}}}}; got {spec!r}")
-    ((kind, args),) = spec.items()
-    try:
-        key = json.dumps(spec, sort_keys=True)
-    except (TypeError, ValueError) as e:
-        raise ConstraintError(f"a constraint must be plain JSON, got {spec!r}: {e}") from None
-    if key in vocab._parsed:  # requests with the same constraint share its mask cache
-        return vocab._parsed[key]
-    from labkit.constraints_json import Box, Point  # here, not at the top: it imports this module
-    if kind == "choice":
-        if not isinstance(args, list):
-            raise ConstraintError(f"'choice' takes a list of strings, got {args!r}")
-        made: Constraint = Choice(vocab, args)
-    elif kind in ("point", "box"):
-        if not isinstance(args, dict) or set(args) != {"min", "max", "decimals"}:
-            raise ConstraintError(
-                f"'{kind}' takes exactly {{'min': ..., 'max': ..., 'decimals': ...}}, got {args!r}")
-        made = (Point if kind == "point" else Box)(vocab, args["min"], args["max"],
-                                                    args["decimals"])
-    else:
-        raise ConstraintError(f"unknown constraint kind {kind!r}; known: choice, point, box")
-    vocab._parsed[key] = made
-    return made
-
-
-# ---------------------------------------------------------------------------------- re-exports
-
-_MOVED = {"Vocab": "labkit.vocab", "Point": "labkit.constraints_json",
-          "Box": "labkit.constraints_json", "number_alive": "labkit.constraints_json",
-          "number_value": "labkit.constraints_json"}
-
-
-# Those modules import `Constraint` and `ConstraintError` from here, so importing them at the
-# top of this file would be a cycle; labkit/reexport.py looks them up when first asked for.
-__getattr__, __dir__ = reexport(__name__, _MOVED)

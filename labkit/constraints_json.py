@@ -1,4 +1,5 @@
-"""Point and box constraints: JSON objects of numbers, as character automata.
+"""Point and box constraints (JSON objects of numbers, as character automata), and the JSON spec
+a request names its constraint by (`parse_constraint`).
 
 `Point` spells `{"x": 0.412, "y": 0.078}` and `Box` spells
 `{"x_min": 0.1, "y_min": 0.2, "x_max": 0.5, "y_max": 0.6}`. Both are one template, literal text
@@ -24,7 +25,7 @@ from collections.abc import Iterable
 from decimal import ROUND_CEILING, Decimal, localcontext
 from typing import TYPE_CHECKING, NamedTuple
 
-from labkit.constraints import Constraint, ConstraintError, State
+from labkit.constraints import Choice, Constraint, ConstraintError, State
 
 if TYPE_CHECKING:
     from labkit.vocab import Vocab
@@ -199,3 +200,35 @@ class Box(_NumberObject):
 
     keys = ("x_min", "y_min", "x_max", "y_max")
     order = {2: 0, 3: 1}  # x_max >= x_min, y_max >= y_min
+
+
+# ---------------------------------------------------------------------------------- parsing
+
+
+def parse_constraint(spec: dict, vocab: Vocab) -> Constraint:
+    """Build the constraint a JSONL request names, e.g. {"choice": ["yes", "no"]} (cached)."""
+    if not isinstance(spec, dict) or len(spec) != 1:
+        raise ConstraintError(
+            f"a constraint is one of {{'choice': [...]}}, {{'point': {{...}}}}, "
+            f"{{'box': {{...}}}}; got {spec!r}")
+    ((kind, args),) = spec.items()
+    try:
+        key = json.dumps(spec, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise ConstraintError(f"a constraint must be plain JSON, got {spec!r}: {e}") from None
+    if key in vocab._parsed:  # requests with the same constraint share its mask cache
+        return vocab._parsed[key]
+    if kind == "choice":
+        if not isinstance(args, list):
+            raise ConstraintError(f"'choice' takes a list of strings, got {args!r}")
+        made: Constraint = Choice(vocab, args)
+    elif kind in ("point", "box"):
+        if not isinstance(args, dict) or set(args) != {"min", "max", "decimals"}:
+            raise ConstraintError(
+                f"'{kind}' takes exactly {{'min': ..., 'max': ..., 'decimals': ...}}, got {args!r}")
+        made = (Point if kind == "point" else Box)(vocab, args["min"], args["max"],
+                                                    args["decimals"])
+    else:
+        raise ConstraintError(f"unknown constraint kind {kind!r}; known: choice, point, box")
+    vocab._parsed[key] = made
+    return made

@@ -127,19 +127,6 @@ class DeviceError(RuntimeError):
     """The device failed or died; the host gets this instead of hanging."""
 
 
-def make_device(kind: str, model, num_blocks: int, block_size: int, max_seqs: int,
-                cache: str = "paged") -> Device:
-    """A device by name: "inprocess", "process" (simulated accelerator) or "cuda"."""
-    if kind == "inprocess":
-        return InProcessDevice(ModelRunner(model, num_blocks, block_size, max_seqs, cache))
-    if kind == "process":
-        return ProcessDevice(model, num_blocks, block_size, max_seqs, cache)
-    if kind == "cuda":
-        from labkit.device_cuda import CudaDevice
-        return CudaDevice(model, num_blocks, block_size, max_seqs, cache)
-    raise ValueError(f"device must be 'inprocess', 'process' or 'cuda', got {kind!r}")
-
-
 def split_cpus() -> tuple[set[int], set[int]] | None:
     """(host cores, device core): the last core this process may run on goes to the device.
 

@@ -11,7 +11,8 @@ An `Engine` holds one model on one device with its scheduler and tokenizer. The 
 - `wait_tokens(launch)`: the host waits for that copy;
 - `commit(launch, tokens)`: append tokens, detokenize, check stop conditions, release.
 
-`labkit.generate(...)` is the one-call front door.
+The engine does not choose a decoder: `labkit.decoders.run(engine, "pipelined")` does, one
+layer up, and `labkit.generate(...)` is the one-call front door.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labkit.device import Device, make_device
+from labkit.device import Device, InProcessDevice, ProcessDevice
 from labkit.paged_kv import BlockAllocator
-from labkit.runner import StepPlan, max_seq_len
+from labkit.runner import ModelRunner, StepPlan, max_seq_len
 from labkit.sampling import SamplingParams
 from labkit.scheduler import RequestError, Scheduler
 from labkit.sequence import FinishReason, Sequence, commit_row
@@ -63,6 +64,20 @@ class Launch:
     launched_s: float = field(default_factory=time.perf_counter)
 
 
+def make_device(kind: str, model, num_blocks: int, block_size: int, max_seqs: int,
+                cache: str = "paged") -> Device:
+    """A device by name: "inprocess", "process" (simulated accelerator) or "cuda"."""
+    if kind == "inprocess":
+        return InProcessDevice(ModelRunner(model, num_blocks, block_size, max_seqs, cache))
+    if kind == "process":
+        return ProcessDevice(model, num_blocks, block_size, max_seqs, cache)
+    if kind == "cuda":
+        from labkit.device_cuda import CudaDevice  # imported on use: CPU machines skip it
+
+        return CudaDevice(model, num_blocks, block_size, max_seqs, cache)
+    raise ValueError(f"device must be 'inprocess', 'process' or 'cuda', got {kind!r}")
+
+
 class Engine:
     """One model, one device, a scheduler, a tokenizer."""
 
@@ -90,7 +105,7 @@ class Engine:
     @functools.cached_property
     def vocab(self):
         """What each token id decodes to, for constrained decoding (built once, cached)."""
-        from labkit.constraints import Vocab
+        from labkit.vocab import Vocab
         if self.tokenizer is None:
             raise RequestError("constraints need a tokenizer; this engine has none")
         return Vocab.from_tokenizer(self.tokenizer, size=self.model.cfg.vocab_size)
@@ -252,21 +267,6 @@ class Engine:
         """Let a caller submit or cancel between steps (tests, streaming front ends)."""
         if self.on_step is not None:
             self.on_step(self)
-
-    def run(self, decoder: str = "blocking", max_steps: int | None = None) -> None:
-        """Run the chosen decoder until every request has finished.
-
-        `max_steps`: return (with nothing in flight) after about that many launches instead, so
-        that decoders can take turns on one workload, as `bench decode` has them do.
-        """
-        if decoder == "blocking":
-            from labkit.decode_blocking import run_blocking as loop
-        elif decoder == "pipelined":
-            from labkit.decode_pipelined import run_pipelined as loop
-        else:
-            raise ValueError(f"decoder must be 'blocking' or 'pipelined', got {decoder!r}")
-        with self.device.host_thread():  # the host's loop keeps off the device's core
-            loop(self, max_steps)
 
     def completion(self, request_id: int, index: int | None = None,
                    prompt: str | None = None) -> Completion:

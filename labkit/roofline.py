@@ -9,27 +9,23 @@ hundreds of times below a GPU's ridge: decode is memory-bound, and batching, qua
 KV cache layout of the later chapters are all ways of doing more work per byte moved.
 
 This module holds the ceilings (datasheet presets), the FLOP and byte counts of single ops and
-of a whole model step, and `python -m labkit roofline`. Two neighbours finish the lesson:
-`labkit/ceilings.py` measures this machine's ceilings (and times a real decode step), and
-`labkit/roofline_plot.py` draws the roofline and the interactive explorer. Their names can be
-imported from here too: `roofline.measure_ceilings`, `roofline.plot_roofline`, ...
+of a whole model step. Two neighbours above it finish the lesson: `labkit/ceilings.py`
+measures this machine's ceilings (and times a real decode step), and `labkit/roofline_plot.py`
+draws the roofline and the interactive explorer; `python -m labkit roofline` is in
+`labkit/cli.py`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import re
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 
 import torch
 
-from labkit.model import PRESETS, ModelConfig
-from labkit.reexport import reexport
+from labkit.model import ModelConfig
 
 # bytes per element of each number format; int4/fp4 pack two values in a byte. Group-wise int4
 # also stores one 16-bit scale per group of g weights (2/g bytes each: 1.6% more at g = 128),
@@ -178,7 +174,7 @@ class _HardwareTable(dict):
         key = _hw_key(name)
         if not dict.__contains__(self, key):
             raise KeyError(f"unknown hardware {name!r}; presets: {', '.join(self)} "
-                           "(or 'this' for this machine's measured ceilings)")
+                           "(this machine's ceilings: labkit.ceilings.resolve_hardware('this'))")
         return dict.__getitem__(self, key)
 
     def __contains__(self, name: object) -> bool:
@@ -192,13 +188,9 @@ HARDWARE: dict[str, Hardware] = _HardwareTable(_PRESETS)
 
 
 def get_hardware(name: str | Hardware) -> Hardware:
-    """A preset by name, or "this" for this machine's measured ceilings (CUDA if present)."""
+    """A preset by name (a `Hardware` passes through); measured ones: `labkit.ceilings`."""
     if isinstance(name, Hardware):
         return name
-    if _hw_key(name) in ("THIS", "THISMACHINE", "MEASURED"):
-        from labkit.ceilings import measure_ceilings  # it imports this module: import on use
-
-        return measure_ceilings("cuda" if torch.cuda.is_available() else "cpu")
     return HARDWARE[name]
 
 
@@ -476,101 +468,3 @@ def step_cost(config: ModelConfig, batch: int, context_len: int, phase: str = "d
         weight_bytes=weight_bytes, kv_read_bytes=kv_read, kv_write_bytes=kv_write,
         activation_bytes=activation_bytes, peak_flops=peak, bandwidth=hw.bandwidth,
         critical_batch=critical)
-
-
-# ---------------------------------------------------------------------------------------------
-# python -m labkit roofline
-
-
-def _parser() -> argparse.ArgumentParser:
-    """The command line of `python -m labkit roofline`."""
-    p = argparse.ArgumentParser(
-        prog="python -m labkit roofline",
-        description="Roofline analysis of one model step: FLOPs, bytes, intensity, the floor "
-                    "time and the bound it hits, for each batch size.")
-    p.add_argument("--hardware", default="H200",
-                   help=f"a preset ({', '.join(HARDWARE)}) or 'this' (measured here)")
-    p.add_argument("--model", default="smollm2-135m", help=f"one of {', '.join(PRESETS)}")
-    p.add_argument("--batch", default="1,8,32,256", help="comma-separated batch sizes")
-    p.add_argument("--phase", default="decode", choices=["decode", "prefill"])
-    p.add_argument("--context", type=int, default=1024,
-                   help="decode: tokens each sequence attends over; prefill: prompt length")
-    p.add_argument("--weight-dtype", choices=list(DTYPE_BYTES), default=None,
-                   help="default bf16 (fp32 on this machine's CPU)")
-    p.add_argument("--kv-dtype", choices=list(DTYPE_BYTES), default=None,
-                   help="default: the weight dtype's 16/32-bit float")
-    p.add_argument("--json", action="store_true", help="one JSON object per batch size")
-    return p
-
-
-def _fail(message: str) -> int:
-    """Print a usage error on stderr; exit code 2, as argparse does."""
-    print(f"python -m labkit roofline: error: {message}", file=sys.stderr)
-    return 2
-
-
-def main(argv: list[str]) -> int:
-    """`python -m labkit roofline`: the analysis as a table, or JSON lines; exit 2 on bad input."""
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exit_:  # argparse already printed its message on stderr
-        return int(exit_.code or 0)
-    try:
-        batches = [int(b) for b in args.batch.split(",")]
-    except ValueError:
-        return _fail(f"--batch must be comma-separated integers, got {args.batch!r}")
-    if any(b < 1 for b in batches):
-        return _fail(f"every --batch must be >= 1, got {args.batch!r}")
-    if args.context < 1:
-        return _fail(f"--context must be >= 1, got {args.context}")
-    if args.model not in PRESETS:
-        return _fail(f"unknown model {args.model!r}; presets: {', '.join(PRESETS)}")
-    try:
-        hw = get_hardware(args.hardware)
-    except (KeyError, RuntimeError) as err:
-        return _fail(str(err.args[0]))
-    cpu = hw.name == "this machine (cpu)"
-    weight_dtype = args.weight_dtype or ("fp32" if cpu else "bf16")
-    kv_dtype = args.kv_dtype or (weight_dtype if weight_dtype in ("fp32", "bf16", "fp16")
-                                 else "bf16")
-    cfg = PRESETS[args.model]()
-    try:
-        costs = [step_cost(cfg, b, args.context, args.phase, weight_dtype, kv_dtype, hw)
-                 for b in batches]
-    except (KeyError, ValueError) as err:
-        return _fail(str(err.args[0]))
-    if args.json:
-        for c in costs:
-            print(json.dumps(c.as_dict()))
-        return 0
-    c0 = costs[0]
-    crit = (f"decode turns compute-bound at batch >= {c0.critical_batch}" if c0.critical_batch
-            else "decode never turns compute-bound at this context")
-    print(f"{cfg.name} {args.phase}, context {args.context}, on {hw.name}: weights "
-          f"{weight_dtype}, KV {kv_dtype}, compute {c0.compute_dtype}\n"
-          f"peak {c0.peak_flops / 1e12:.4g} TFLOP/s, bandwidth {hw.bandwidth / 1e12:.4g} TB/s, "
-          f"ridge {c0.ridge:.4g} FLOP/B; {crit}\n")
-    print(f"{'batch':>6} {'GFLOP':>10} {'MB':>10} {'FLOP/B':>8} {'floor ms':>10} "
-          f"{'bound':>8} {'tokens/s':>12}")
-    for c in costs:
-        print(f"{c.batch:>6} {c.flops / 1e9:>10.4g} {c.nbytes / 1e6:>10.4g} "
-              f"{c.intensity:>8.3g} {c.floor_s * 1e3:>10.4g} {c.bound:>8} "
-              f"{c.tokens_per_s:>12,.0f}")
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# names that live in the neighbouring modules
-
-# labkit/ceilings.py and labkit/roofline_plot.py import Hardware, the counts and step_cost from
-# here, so this module cannot import them at its top (a cycle); labkit/reexport.py hands their
-# names out instead: `from labkit.roofline import plot_roofline` still works, and
-# roofline._CEILINGS is always the dict ceilings.py uses.
-_ELSEWHERE = {
-    "measure_ceilings": "labkit.ceilings", "measure_decode_step": "labkit.ceilings",
-    "_CEILINGS": "labkit.ceilings", "_RandomKVAttention": "labkit.ceilings",
-    "RooflinePoint": "labkit.roofline_plot", "plot_roofline": "labkit.roofline_plot",
-    "explore": "labkit.roofline_plot"}
-
-
-__getattr__, __dir__ = reexport(__name__, _ELSEWHERE)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from labkit.ceilings import resolve_hardware
 from labkit.model import PRESETS
 from labkit.roofline import (
     HARDWARE,
@@ -21,7 +22,6 @@ from labkit.roofline import (
     StepCost,
     _compute_dtype,
     _hw_key,
-    get_hardware,
     step_cost,
 )
 
@@ -47,7 +47,7 @@ def plot_roofline(hardware: Hardware | str | Sequence[Hardware | str],
     """Draw the roofs of one or more chips, their ridges, and ops/steps placed on them."""
     import matplotlib.pyplot as plt
 
-    chips = [get_hardware(h) for h in (
+    chips = [resolve_hardware(h) for h in (
         [hardware] if isinstance(hardware, (str, Hardware)) else hardware)]
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 5))
@@ -131,7 +131,7 @@ def explore(hardware: str = "H200", model: str = "smollm2-135m"):
                 print(f"cannot predict this step: {err}")
                 return
             fig, ax = plt.subplots(figsize=(7.5, 4.5))
-            plot_roofline(get_hardware(v["hardware"]), [cost], dtype=cost.compute_dtype, ax=ax)
+            plot_roofline(resolve_hardware(v["hardware"]), [cost], dtype=cost.compute_dtype, ax=ax)
             display(fig)
             plt.close(fig)
             print(cost.summary())

@@ -8,7 +8,7 @@ a GPU from CUDA events. The *bubble fraction* is the share of the run's wall tim
 compute lane is idle.
 
     with Timeline.record(engine) as tl:
-        engine.run("blocking")
+        labkit.run(engine, "blocking")
     tl.plot(); print(tl.bubble_fraction())
 """
 

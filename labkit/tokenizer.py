@@ -10,9 +10,7 @@ details carry the lesson:
   text back until the character is whole; its pieces always concatenate to `decode(all ids)`.
 - A GGUF file carries its tokenizer in its metadata (vocabulary, merges, special ids, chat
   template). transformers rebuilds a fast tokenizer from it in seconds, so that happens once:
-  the result is saved beside the model's weights in the cache (see `labkit.loading`).
-
-`labkit.loading` re-exports these names, so `from labkit.loading import Tokenizer` still works.
+  the result is saved beside the model's weights in the cache (see `labkit.cache`).
 """
 
 from __future__ import annotations
@@ -23,13 +21,7 @@ from pathlib import Path
 
 import torch
 
-from labkit.loading import (
-    ModelNotInstalled,
-    _build_atomically,
-    _cache_entry,
-    cache_dir,
-    packaged_gguf,
-)
+from labkit.cache import ModelNotInstalled, build_atomically, cache_dir, cache_entry, packaged_gguf
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "smollm2_tokenizer", "tokenizer_from_gguf"]
 
@@ -136,7 +128,7 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
-    entry = _cache_entry(path) / "tokenizer"
+    entry = cache_entry(path) / "tokenizer"
     if entry in _TOKENIZERS:
         return _TOKENIZERS[entry]
 
@@ -147,7 +139,7 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
         (tmp / "labkit.json").write_text(json.dumps(
             {"eos_id": hf.eos_token_id, "bos_id": hf.bos_token_id}))
 
-    _build_atomically(entry, build)
+    build_atomically(entry, build)
     ids = json.loads((entry / "labkit.json").read_text())
     hf = PreTrainedTokenizerFast.from_pretrained(entry, local_files_only=True)
     tok = _TOKENIZERS[entry] = Tokenizer(hf, eos_id=ids["eos_id"], bos_id=ids["bos_id"])

@@ -19,11 +19,12 @@ mkdir -p .gpu_carry/cache .gpu_carry/whl
 $PY - <<'PYEOF'
 import shutil
 from pathlib import Path
-from labkit.loading import _cache_entry, packaged_gguf, tokenizer_from_gguf
+from labkit.cache import cache_entry, packaged_gguf
+from labkit.tokenizer import tokenizer_from_gguf
 
 gguf = packaged_gguf()
 tokenizer_from_gguf(gguf)  # builds the cache entry if it is not there yet
-src = _cache_entry(gguf) / "tokenizer"
+src = cache_entry(gguf) / "tokenizer"
 dst = Path(".gpu_carry/cache") / src.parent.name / "tokenizer"
 shutil.copytree(src, dst)
 print(f"tokenizer: {dst}")

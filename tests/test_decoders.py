@@ -5,10 +5,13 @@ import random
 import pytest
 import torch
 
-from labkit.constraints import ConstraintError, Vocab, parse_constraint
+from labkit import decoders
+from labkit.constraints import ConstraintError
+from labkit.constraints_json import parse_constraint
 from labkit.engine import Engine
 from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.sampling import SamplingParams
+from labkit.vocab import Vocab
 
 CFG = ModelConfig.tiny()
 MODEL = init_random(LlamaModel(CFG).eval(), seed=1)
@@ -93,7 +96,7 @@ def run(engine: Engine, decoder: str, reqs) -> list[tuple[list[int], str]]:
                 eng.cancel(ids[i])
     engine.on_step = on_step
     try:
-        engine.run(decoder)
+        decoders.run(engine, decoder)
     finally:
         engine.on_step = None
         engine.scheduler.allocator.on_free = None
@@ -136,7 +139,7 @@ def test_constrained_outputs_always_parse(device):
     ids = []
     for prompt, params, spec in reqs:
         ids.append(engine.submit(prompt, params, constraint=parse_constraint(spec, VOCAB)))
-    engine.run("pipelined")
+    decoders.run(engine, "pipelined")
     for rid in ids:
         s = engine.seqs[rid]
         text = "".join(VOCAB.token_strings[t] for t in s.output_ids if t != EOS)
@@ -155,7 +158,7 @@ def test_zombie_resources_return_only_after_its_last_step():
         s = engine.seqs[rid]
         events.append((engine.steps, s.finished_at_step, s.inflight_refs))
     engine.scheduler.allocator.on_free = on_free
-    engine.run("pipelined")
+    decoders.run(engine, "pipelined")
     engine.scheduler.allocator.on_free = None
     s = engine.seqs[rid]
     assert len(s.output_ids) == 3 and s.finish_reason.value == "length"  # no off-by-one
@@ -169,7 +172,7 @@ def test_cancel_twice_and_after_finish_frees_once():
     engine = get_engine("inprocess")
     rid = engine.submit([4, 4], SamplingParams(max_new_tokens=5, ignore_eos=True))
     engine.on_step = lambda eng: (eng.cancel(rid), eng.cancel(rid)) if eng.steps >= 2 else None
-    engine.run("pipelined")
+    decoders.run(engine, "pipelined")
     engine.on_step = None
     engine.check_all_released()
     assert engine.cancel(rid) is False  # already finished: nothing to do, nothing freed
@@ -181,7 +184,7 @@ def test_committed_length_is_exact(decoder):
     engine = get_engine("inprocess")
     ids = [engine.submit([7] * n, SamplingParams(max_new_tokens=m, ignore_eos=True))
            for n, m in [(1, 1), (3, 2), (8, 7)]]
-    engine.run(decoder)
+    decoders.run(engine, decoder)
     assert [len(engine.seqs[i].output_ids) for i in ids] == [1, 2, 7]
     # the pipeline's zombie rows wrote KV only inside the pages reserved for them
     for i in ids:
@@ -208,7 +211,7 @@ def test_dead_device_process_raises_not_hangs():
                 eng.device.proc.kill()
         engine.on_step = kill
         with pytest.raises(DeviceError, match="died"):
-            engine.run("pipelined")
+            decoders.run(engine, "pipelined")
     finally:
         engine.close()
 
@@ -219,7 +222,7 @@ def test_timeline_shows_the_bubble_shrink():
     for decoder in DECODERS:
         engine.submit([3] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True))
         with Timeline.record(engine) as tl:
-            engine.run(decoder)
+            decoders.run(engine, decoder)
         assert {s.lane for s in tl.spans} >= {"host", "compute"}
         assert 0.0 <= tl.bubble_fraction() < 1.0
         assert tl.per_step()["steps"] >= 6
@@ -244,7 +247,7 @@ def test_decoders_taking_turns_emit_the_same_tokens(device, segment):
                for prompt, params, spec in reqs]
         k = 0
         while not engine.scheduler.idle():
-            engine.run(turns[k % len(turns)], max_steps=segment)
+            decoders.run(engine, turns[k % len(turns)], max_steps=segment)
             k += 1
             assert all(s.inflight_refs == 0 for s in engine.seqs.values())  # nothing in flight
         engine.check_all_released()
@@ -269,7 +272,7 @@ def test_simulated_device_gets_a_core_of_its_own():
     engine.on_step = lambda eng: seen.append(os.sched_getaffinity(0))
     engine.submit([3, 4], SamplingParams(max_new_tokens=2, ignore_eos=True))
     try:
-        engine.run("pipelined")
+        decoders.run(engine, "pipelined")
     finally:
         engine.on_step = None
     assert seen and all(s == dev.host_cpus for s in seen)  # the loop ran off the device's core
@@ -287,7 +290,7 @@ def test_bfloat16_weights_and_cache_decode_alike_in_both_loops(dev):
             ids = [engine.submit([3 + i] * (2 + i), SamplingParams(
                 max_new_tokens=6, temperature=0.8 * (i % 2), seed=i, ignore_eos=True))
                 for i in range(3)]
-            engine.run(decoder)
+            decoders.run(engine, decoder)
             engine.check_all_released()
             out[decoder] = [engine.seqs[i].output_ids for i in ids]
         assert out["blocking"] == out["pipelined"]

@@ -7,6 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from labkit import decoders
 from labkit.engine import Engine
 from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.sampling import SamplingParams
@@ -31,7 +32,7 @@ def prompts(n, seed=0):
 
 def run(e, prompt_list, params_list):
     ids = [e.submit(p, sp) for p, sp in zip(prompt_list, params_list)]
-    e.run()
+    decoders.run(e)
     e.check_all_released()
     return [e.seqs[i].output_ids for i in ids]
 
@@ -109,7 +110,7 @@ def test_cancel_waiting_and_running_frees_once():
             assert eng.cancel(ids[3])  # still waiting
             assert not eng.cancel(ids[3])  # already cancelled: a no-op
     e.on_step = on_step
-    e.run()
+    decoders.run(e)
     e.check_all_released()
     assert [e.seqs[i].finish_reason.value for i in ids] == ["cancelled", "length", "length",
                                                             "cancelled"]
@@ -136,7 +137,7 @@ def test_random_workloads_release_everything(requests, pool_pages):
         if cancel:
             cancel_at.setdefault(when, []).append(rid)
     e.on_step = lambda eng: [eng.cancel(r) for r in cancel_at.get(eng.steps, [])]
-    e.run()
+    decoders.run(e)
     e.check_all_released()  # every page, row and adapter slot is back
     # each admitted sequence's pages were freed exactly once (a double free would also raise)
     admitted = [e.seqs[r] for r in ids if e.seqs[r].block_table]
@@ -174,7 +175,7 @@ def test_forget_refuses_a_request_that_is_still_running():
     rid = e.submit([5, 6, 7], SamplingParams(max_new_tokens=3))
     with pytest.raises(RequestError, match="still running"):
         e.forget(rid)
-    e.run()
+    decoders.run(e)
     e.forget(rid)
     with pytest.raises(KeyError, match="forget: no request"):
         e.forget(rid)

@@ -14,17 +14,12 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from labkit import cache as model_cache
 from labkit import loading
-from labkit.loading import (
-    INSTALL_COMMAND,
-    TINY_VOCAB,
-    ModelNotInstalled,
-    config_from_hf,
-    from_hf,
-    load_model,
-    tokenizer_from_gguf,
-)
+from labkit.cache import INSTALL_COMMAND, ModelNotInstalled
+from labkit.loading import TINY_VOCAB, config_from_hf, from_hf, load_model
 from labkit.model import LlamaModel, ModelConfig, init_random
+from labkit.tokenizer import tokenizer_from_gguf
 
 # `make` always installs gguf; a bare GPU image may not have it, and there only the tests
 # marked cuda run (scripts/gpu_check.sh): collecting this module must not stop them
@@ -186,7 +181,7 @@ def test_unsupported_gguf_is_refused(tmp_path, cache):
 def test_missing_model_package_says_how_to_install(monkeypatch, cache):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == loading.PACKAGE else real(name, *a))
+                        lambda name, *a: None if name == model_cache.PACKAGE else real(name, *a))
     with pytest.raises(ModelNotInstalled) as info:
         load_model("smollm2-135m")
     msg = str(info.value)

@@ -10,9 +10,10 @@ import matplotlib
 import pytest
 import torch
 
-from labkit import ceilings, roofline
+from labkit import ceilings, roofline, roofline_plot
+from labkit.cli import roofline_main as main
 from labkit.model import LlamaModel, ModelConfig, init_random
-from labkit.roofline import HARDWARE, main, step_cost
+from labkit.roofline import HARDWARE, step_cost
 
 matplotlib.use("Agg")
 
@@ -169,25 +170,25 @@ def fresh_cache(tmp_path, monkeypatch):
 def test_measure_ceilings_cpu_is_bounded_positive_and_cached(fresh_cache, monkeypatch):
     monkeypatch.setattr(ceilings, "_busy_elsewhere", lambda since: 0.0)  # cache even if busy
     t0 = time.perf_counter()
-    hw = roofline.measure_ceilings("cpu", budget_s=1.0)
+    hw = ceilings.measure_ceilings("cpu", budget_s=1.0)
     took = time.perf_counter() - t0
     assert took < 1.0 + 3.0, f"measuring took {took:.1f} s for a 1 s budget"  # + allocation
     assert hw.name == "this machine (cpu)"
     assert hw.bandwidth > 1e8 and hw.memory > 1e8  # > 0.1 GB/s, > 100 MB: real numbers
     assert set(hw.peak_flops) == {"fp32", "bf16"} and min(hw.peak_flops.values()) > 1e7
     assert "copy" in hw.bandwidth_source and "matmul" in hw.flops_source
-    assert roofline.measure_ceilings("cpu", budget_s=1.0) is hw  # in-process cache
+    assert ceilings.measure_ceilings("cpu", budget_s=1.0) is hw  # in-process cache
     files = list(fresh_cache.glob("ceilings-cpu-*.json"))
     assert len(files) == 1
-    roofline._CEILINGS.clear()
+    ceilings._CEILINGS.clear()
     t0 = time.perf_counter()
-    again = roofline.measure_ceilings("cpu", budget_s=1.0)  # from disk, not measured again
+    again = ceilings.measure_ceilings("cpu", budget_s=1.0)  # from disk, not measured again
     assert time.perf_counter() - t0 < 0.5 and again == hw
 
 
 def test_a_busy_machine_is_labelled_and_not_cached(fresh_cache, monkeypatch):
     monkeypatch.setattr(ceilings, "_busy_elsewhere", lambda since: 1.5)
-    hw = roofline.measure_ceilings("cpu", dtypes=("fp32",), budget_s=0.5)
+    hw = ceilings.measure_ceilings("cpu", dtypes=("fp32",), budget_s=0.5)
     assert "not cached" in hw.bandwidth_source
     assert not list(fresh_cache.glob("ceilings-*.json"))
 
@@ -195,7 +196,7 @@ def test_a_busy_machine_is_labelled_and_not_cached(fresh_cache, monkeypatch):
 @pytest.mark.cuda
 def test_measure_ceilings_cuda(fresh_cache):
     t0 = time.perf_counter()
-    hw = roofline.measure_ceilings("cuda", budget_s=2.0)
+    hw = ceilings.measure_ceilings("cuda", budget_s=2.0)
     assert time.perf_counter() - t0 < 2.0 + 5.0
     assert hw.name == "this machine (cuda)" and hw.bandwidth > 1e11  # > 100 GB/s
     assert hw.peak("bf16") > hw.peak("fp32") > 1e12  # tensor cores beat fp32 FMA units
@@ -204,7 +205,7 @@ def test_measure_ceilings_cuda(fresh_cache):
 
 def test_random_kv_attention_is_real_gqa_attention():
     gen = torch.Generator().manual_seed(0)
-    attn = roofline._RandomKVAttention(TINY, batch=3, context_len=7, dtype=torch.float32,
+    attn = ceilings._RandomKVAttention(TINY, batch=3, context_len=7, dtype=torch.float32,
                                        device=torch.device("cpu"))
     q = torch.randn(3, 4, 16, generator=gen)  # [B, H, D]
     k, v = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
@@ -221,7 +222,7 @@ def test_random_kv_attention_is_real_gqa_attention():
 def test_measure_decode_step_is_positive_and_bounded():
     model = init_random(LlamaModel(TINY)).eval()
     t0 = time.perf_counter()
-    seconds = roofline.measure_decode_step(model, batch=2, context_len=64, repeats=3)
+    seconds = ceilings.measure_decode_step(model, batch=2, context_len=64, repeats=3)
     assert 0 < seconds < time.perf_counter() - t0 < 10
 
 
@@ -229,16 +230,16 @@ def test_plot_and_explorer_draw():
     import matplotlib.pyplot as plt
 
     hw = HARDWARE["H200"]
-    points = [roofline.RooflinePoint.timed(roofline.matvec_cost(1024, 1024), 1e-6, "matvec"),
+    points = [roofline_plot.RooflinePoint.timed(roofline.matvec_cost(1024, 1024), 1e-6, "matvec"),
               roofline.matmul_cost(4096, 4096, 4096),
               step_cost(TINY, 1, 128, hardware=hw)]
-    ax = roofline.plot_roofline([hw, "B200"], points)
+    ax = roofline_plot.plot_roofline([hw, "B200"], points)
     labels = [t.get_text() for t in ax.texts]
     assert "matvec" in labels and "decode B=1 L=128" in labels
     assert any(t.startswith("ridge 206") for t in labels)  # 989.5 / 4.8
     assert len(ax.get_legend().get_texts()) == 2  # one roof per chip
     plt.close("all")
-    box = roofline.explore("h100", "tiny")
+    box = roofline_plot.explore("h100", "tiny")
     controls = [c for row in box.children[:-1] for c in row.children]
     batch = next(c for c in controls if getattr(c, "description", "") == "batch")
     batch.value = 64  # redraws; must not raise

@@ -1,0 +1,90 @@
+"""The house rule of ../shared/DESIGN.md: imports inside labkit flow one way (no circles).
+
+Every `import` of a labkit module counts, at a module's top or inside a function (a lazy import
+is still a dependency); only `if TYPE_CHECKING:` blocks, which never run, are left out.
+"""
+
+import ast
+import pathlib
+
+import labkit
+
+PACKAGE = pathlib.Path(labkit.__file__).parent
+MODULES = {f"labkit.{p.stem}" if p.stem != "__init__" else "labkit": p
+           for p in PACKAGE.glob("*.py")}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(path: pathlib.Path) -> set[str]:
+    """The labkit modules a file imports at run time."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "labkit")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "labkit":  # `from labkit import x`: a submodule or a name
+                found.update(f"labkit.{a.name}" if f"labkit.{a.name}" in MODULES else "labkit"
+                             for a in node.names)
+            elif node.module.startswith("labkit."):
+                found.add(node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return found & set(MODULES)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := dfs(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := dfs(node)):
+            return found
+    return None
+
+
+def test_finder_sees_a_circle_and_a_lazy_import():
+    """The checker itself: a two-module circle closed by an import inside a function."""
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import labkit.engine\n" \
+          "def f():\n    from labkit.model import LlamaModel\n"
+    tmp = PACKAGE.parent / "tests" / "_imports_probe.py"
+    try:
+        tmp.write_text(src)
+        assert imports_of(tmp) == {"labkit.model"}
+    finally:
+        tmp.unlink()
+
+
+def test_no_import_circle_inside_labkit():
+    graph = {name: imports_of(path) - {name} for name, path in MODULES.items()}
+    cycle = find_cycle(graph)
+    assert cycle is None, (
+        "labkit's imports form a circle: " + " -> ".join(cycle) + ". DESIGN.md: imports flow "
+        "one way. Move what both sides need into the lower module, or choose the variant in "
+        "the layer above both")
