@@ -14,6 +14,7 @@ COMMANDS = {
     "info": ("labkit.cli", "info_main", "versions, threads, device, model cache"),
     "bench": ("labkit.bench", "main", "benchmarks: `bench generate`, `bench decode`"),
     "roofline": ("labkit.cli", "roofline_main", "roofline analysis of a model on a device"),
+    "serve": ("labkit.server", "serve_main", "an OpenAI-compatible HTTP server over the engine"),
 }
 
 

@@ -86,15 +86,22 @@ class Tokenizer:
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         """Token ids of `text`; with chat=True, wrapped as one user turn of the chat template."""
-        if not chat:
-            ids = list(self.hf.encode(text))
-        else:
-            if not self.hf.chat_template:
-                raise ValueError("this tokenizer has no chat template: call encode(text) "
-                                 "without chat=True, or load an instruct model")
-            prompt = self.hf.apply_chat_template([{"role": "user", "content": text}],
-                                                 add_generation_prompt=True, tokenize=False)
-            ids = list(self.hf.encode(prompt, add_special_tokens=False))  # template has them
+        if chat:
+            return self.encode_chat([{"role": "user", "content": text}])
+        return self._fold(list(self.hf.encode(text)))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation ({"role", "content"} dicts) in the chat template, ending
+        where the assistant's answer starts."""
+        if not self.hf.chat_template:
+            raise ValueError("this tokenizer has no chat template: call encode(text) "
+                             "without chat=True, or load an instruct model")
+        prompt = self.hf.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+        # the template writes the special tokens itself
+        return self._fold(list(self.hf.encode(prompt, add_special_tokens=False)))
+
+    def _fold(self, ids: list[int]) -> list[int]:
         return ids if self.fold_to is None else [t % self.fold_to for t in ids]
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
