@@ -26,7 +26,6 @@ What makes the comparison fair, and where it leans:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -35,6 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from labkit.cli_parser import command_parser
 
 # 32 short, varied instructions: the prompts of `bench generate` (each wrapped in the chat
 # template, so 30-45 tokens)
@@ -249,9 +250,9 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
 
 def generate_main(argv: list[str]) -> int:
     """`python -m labkit bench generate`: labkit's engine against transformers' generate."""
-    p = argparse.ArgumentParser(prog="python -m labkit bench generate",
-                                description="labkit against transformers' generate on the same "
-                                            "chat requests (greedy, same thread count).")
+    p = command_parser("python -m labkit bench generate",
+                       "labkit against transformers' generate on the same chat requests "
+                       "(greedy, same thread count).")
     p.add_argument("--streams", type=int, default=32, help=f"requests (1..{len(INSTRUCTIONS)})")
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch threads for both (default {torch.get_num_threads()})")

@@ -22,7 +22,6 @@ is the share of decode rows a whole pipelined run spent on sequences that had al
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
@@ -30,6 +29,7 @@ import sys
 
 import torch
 
+from labkit.cli_parser import command_parser
 from labkit.decoders import run
 
 # Photon's published figures, for the table: (hardware, streams, blocking ms/step, pipelined
@@ -197,8 +197,8 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
 
 def main(argv: list[str]) -> int:
     """Entry point of `python -m labkit bench decode`."""
-    p = argparse.ArgumentParser(prog="python -m labkit bench decode",
-                                description="Blocking vs pipelined decoding, side by side.")
+    p = command_parser("python -m labkit bench decode",
+                       "Blocking vs pipelined decoding, side by side.")
     p.add_argument("--streams", default="1,32", help="comma-separated stream counts")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, or a path")
     p.add_argument("--device", choices=("auto", "process", "cuda", "inprocess"),
@@ -218,11 +218,18 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         streams = [int(s) for s in args.streams.split(",")]
-        if any(s < 1 for s in streams) or args.repeats < 1:
+        if any(s < 1 for s in streams):
             raise ValueError
     except ValueError:
-        print(f"error: --streams must be positive integers like 1,32 (got {args.streams!r}); "
-              "--repeats must be >= 1", file=sys.stderr)
+        print(f"error: --streams must be positive integers like 1,32 (got {args.streams!r})",
+              file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print(f"error: --repeats must be >= 1 (got {args.repeats})", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch sees no CUDA GPU on this machine; use "
+              "--device auto (the simulated accelerator process here)", file=sys.stderr)
         return 2
     if args.segment < 4 or args.tokens < args.segment + 1:
         print(f"error: --segment must be >= 4 (got {args.segment}) and --tokens at least "
