@@ -35,7 +35,8 @@ def _generate_parser() -> argparse.ArgumentParser:
                         "line's defaults. Example: examples/requests.jsonl")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest (default: all)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k likeliest (default: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: 1.0 cuts nothing")
     p.add_argument("--seed", type=int, default=0, help="of the sampler (greedy ignores it)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")

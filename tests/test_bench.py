@@ -93,3 +93,21 @@ def test_steady_state_skips_the_fill_and_counts_the_device_per_period():
     for step in range(3):
         short.add("host", "decode", step, step / 1e3, step / 1e3)
     assert steady_ms_per_step(short) is None
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_bench_decode_on_cuda_without_a_gpu_says_so_in_one_line(capsys):
+    from labkit import bench_decode
+    assert bench_decode.main(["--model", "tiny", "--device", "cuda"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "no CUDA GPU" in err, err
+
+
+def test_bench_decode_streams_0_gives_only_its_own_message(capsys):
+    from labkit import bench_decode
+    assert bench_decode.main(["--model", "tiny", "--streams", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--streams must be positive integers" in err and "--repeats" not in err, err
+    assert bench_decode.main(["--model", "tiny", "--repeats", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--repeats must be >= 1" in err and "--streams" not in err, err
