@@ -263,3 +263,10 @@ def test_example_requests_file_covers_every_setting_and_runs():
             answer = json.loads(o["text"])
             keys = {"x", "y"} if "point" in spec else {"x_min", "y_min", "x_max", "y_max"}
             assert set(answer) == keys and all(0 <= v <= 1 for v in answer.values()), o
+
+
+def test_readme_shows_the_example_requests_file_as_it_is():
+    readme = open("README.md", encoding="utf-8").read()
+    shown = readme.split("```json\n", 1)[1].split("```", 1)[0]
+    assert shown == open("examples/requests.jsonl", encoding="utf-8").read(), (
+        "README.md's prompts-file example differs from examples/requests.jsonl: copy it over")
