@@ -208,7 +208,7 @@ def measure_ceilings(device: str | torch.device = "cpu", dtypes: Sequence[str] |
     # used, labelled, but not written to disk for later runs
     start = _cpu_seconds() if dev.type == "cpu" else None
     # a few seconds: say so while it runs (stderr, or a widget in a notebook and the explorer)
-    with progress(desc=f"measuring this machine's ceilings ({dev.type}, about {budget_s:.0f} s)",
+    with progress(desc=f"measuring this machine's ceilings ({dev.type}, about {budget_s:g} s)",
                   total=1 + len(dtypes), unit="ceiling", leave=False) as bar:
         bandwidth, bw_source = _measure_bandwidth(dev, 0.35 * budget_s)
         bar.update()
