@@ -22,8 +22,13 @@ $(STAMP): requirements.txt pyproject.toml | $(BIN)/python
 
 setup: $(STAMP)
 
+# The server's root is the repository, so that the file browser reaches exercises/ and the
+# README; the course opens at its first notebook. As root (containers, many workshop VMs),
+# Jupyter refuses to start without --allow-root.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab --ServerApp.root_dir="$(CURDIR)" $(ALLOW_ROOT) notebooks/00_welcome.ipynb
 
 test: setup
 	$(BIN)/ruff check .

@@ -26,7 +26,6 @@ What makes the comparison fair, and where it leans:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -35,6 +34,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from labkit.cli_parser import command_parser
+from labkit.progress import progress
 
 # 32 short, varied instructions: the prompts of `bench generate` (each wrapped in the chat
 # template, so 30-45 tokens)
@@ -97,8 +99,11 @@ def hf_reference_model(dtype: torch.dtype = torch.float32):
 
     def build(tmp: Path) -> None:
         try:
-            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                      dtype=torch.float32)
+            with progress(desc="building transformers' reference model from the GGUF (first "
+                               "time only)", total=1, unit="model") as bar:
+                hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                          dtype=torch.float32)
+                bar.update()
         except ValueError as err:
             if "accelerate" in str(err):
                 raise RuntimeError("transformers reads GGUF files only with `accelerate` "
@@ -130,13 +135,19 @@ def chat_workload(tok, n: int, lengths: tuple[int, ...] = OUTPUT_LENGTHS
             for i in range(n)]
 
 
-def run_labkit(engine, work: list[tuple[list[int], int]]) -> tuple[float, int, list[list[int]]]:
-    """All requests through the engine at once: (seconds, tokens, output ids per request)."""
+def run_labkit(engine, work: list[tuple[list[int], int]],
+               on_tokens: Callable[[int], object] | None = None
+               ) -> tuple[float, int, list[list[int]]]:
+    """All requests through the engine at once: (seconds, tokens, output ids per request).
+
+    `on_tokens(1)` is called for each piece of text detokenized (a progress bar's update).
+    """
     import labkit
 
     params = [labkit.SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in work]
+    on_text = None if on_tokens is None else (lambda i, text: on_tokens(1))
     t0 = time.perf_counter()
-    outs = labkit.generate([ids for ids, _ in work], params, engine=engine)
+    outs = labkit.generate([ids for ids, _ in work], params, engine=engine, on_text=on_text)
     seconds = time.perf_counter() - t0
     engine.check_all_released()
     return seconds, sum(len(o.output_ids) for o in outs), [o.output_ids for o in outs]
@@ -153,29 +164,50 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+def _hf_batches(work: list[tuple[list[int], int]], batching: str
+                ) -> list[tuple[int, list[int]]]:
+    """transformers' batches: (max_new_tokens, request indices) for each generate call."""
+    if batching == "grouped":
+        groups: dict[int, list[int]] = {}
+        for i, (_, n) in enumerate(work):
+            groups.setdefault(n, []).append(i)
+        return [(n, rows) for n, rows in groups.items()]
+    if batching == "padded":
+        return [(max(n for _, n in work), list(range(len(work))))]
+    raise ValueError(f"batching must be 'grouped' or 'padded', got {batching!r}")
+
+
+def _hf_ticks(on_tokens: Callable[[int], object]):
+    """A stopping criterion that never stops: it reports each step's tokens (one per row)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Ticks(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            on_tokens(input_ids.shape[0])  # input_ids: [B, W + t]
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([Ticks()])
+
+
 @torch.inference_mode()
-def run_hf(hf, work: list[tuple[list[int], int]], pad_id: int, batching: str
+def run_hf(hf, work: list[tuple[list[int], int]], pad_id: int, batching: str,
+           on_tokens: Callable[[int], object] | None = None
            ) -> tuple[float, int, list[list[int]]]:
     """transformers' generate: (seconds, requested tokens, output ids per request).
 
     batching="grouped": one batch per distinct max_new_tokens; "padded": one batch of all,
     run to the longest (a shorter request's extra tokens are generated, then discarded).
+    `on_tokens(B)` is called after each step of a batch of B rows (a progress bar's update).
     """
-    if batching == "grouped":
-        groups: dict[int, list[int]] = {}
-        for i, (_, n) in enumerate(work):
-            groups.setdefault(n, []).append(i)
-        batches = [(n, rows) for n, rows in groups.items()]
-    elif batching == "padded":
-        batches = [(max(n for _, n in work), list(range(len(work))))]
-    else:
-        raise ValueError(f"batching must be 'grouped' or 'padded', got {batching!r}")
+    batches = _hf_batches(work, batching)
+    stopping = None if on_tokens is None else _hf_ticks(on_tokens)
     outputs: list[list[int]] = [[] for _ in work]
     t0 = time.perf_counter()
     for n, rows in batches:
         ids, mask = _left_pad([work[i][0] for i in rows], pad_id)
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                          min_new_tokens=n, do_sample=False, pad_token_id=pad_id)
+                          min_new_tokens=n, do_sample=False, pad_token_id=pad_id,
+                          stopping_criteria=stopping)
         for j, i in enumerate(rows):  # out: [B, W + n]
             outputs[i] = out[j, ids.shape[1]:ids.shape[1] + work[i][1]].tolist()
     seconds = time.perf_counter() - t0
@@ -225,10 +257,17 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
         # alternate which goes first, so slow drift on a shared machine hits both alike
         order = ("labkit", "grouped", "padded") if r % 2 == 0 else ("padded", "grouped", "labkit")
         for who in order:
-            if who == "labkit":
-                s, n, outs = run_labkit(engine, work)
-            else:
-                s, n, outs = run_hf(hf, work, pad_id, who)
+            # a bar per run, on stderr: a run takes up to a minute; the per-token update costs
+            # microseconds against steps of tens of milliseconds, on both sides alike
+            label = "labkit" if who == "labkit" else f"transformers ({who})"
+            total = (sum(n for _, n in work) if who != "padded"
+                     else sum(n * len(rows) for n, rows in _hf_batches(work, who)))
+            with progress(desc=f"round {r + 1}/{rounds}: {label}", total=total, unit="tok",
+                          leave=False) as bar:
+                if who == "labkit":
+                    s, n, outs = run_labkit(engine, work, bar.update)
+                else:
+                    s, n, outs = run_hf(hf, work, pad_id, who, bar.update)
             totals[who][0] += s
             totals[who][1] += n
             outputs[who] = outs
@@ -249,9 +288,9 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
 
 def generate_main(argv: list[str]) -> int:
     """`python -m labkit bench generate`: labkit's engine against transformers' generate."""
-    p = argparse.ArgumentParser(prog="python -m labkit bench generate",
-                                description="labkit against transformers' generate on the same "
-                                            "chat requests (greedy, same thread count).")
+    p = command_parser("python -m labkit bench generate",
+                       "labkit against transformers' generate on the same chat requests "
+                       "(greedy, same thread count).")
     p.add_argument("--streams", type=int, default=32, help=f"requests (1..{len(INSTRUCTIONS)})")
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch threads for both (default {torch.get_num_threads()})")

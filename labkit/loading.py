@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from labkit.cache import build_atomically, cache_entry, packaged_gguf
 from labkit.model import LlamaModel, ModelConfig, init_random
+from labkit.progress import progress
 from labkit.tokenizer import Tokenizer, smollm2_tokenizer, tokenizer_from_gguf
 
 NAMES = ("smollm2-135m", "tiny", "smollm2-135m-random")
@@ -128,7 +129,10 @@ def read_gguf(path: str | Path, name: str | None = None
     import gguf
 
     path = Path(path)
-    reader = gguf.GGUFReader(path)
+    with progress(desc=f"reading {path.name}'s header and tensor table", total=1,
+                  unit="file") as bar:
+        reader = gguf.GGUFReader(path)
+        bar.update()
     fields = {k: f.contents() for k, f in reader.fields.items()
               if not k.startswith("tokenizer.")}  # the vocabulary is large and not needed here
     tensors = {t.name: t for t in reader.tensors}
@@ -139,7 +143,9 @@ def read_gguf(path: str | Path, name: str | None = None
     rename = {g.format(i): n.format(i) for g, n in GGUF_NAMES.items()
               for i in range(cfg.num_layers)}
     state = {}
-    for gname, t in tensors.items():
+    bar = progress(tensors.items(), desc=f"dequantizing {path.name} to fp32", unit="tensor",
+                   total=len(tensors))
+    for gname, t in bar:
         if gname not in rename:
             raise ValueError(f"GGUF tensor {gname!r} has no place in labkit's LlamaModel "
                              "(an architecture variant labkit does not implement)")
@@ -165,8 +171,12 @@ def _gguf_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str
         return _WEIGHTS[(entry, dtype)]
 
     def build(tmp: Path) -> None:
+        # the first load only (30-60 s on two cores): its bars say so on stderr while it runs
         cfg, state = read_gguf(path)
-        save_file(state, str(tmp / "model.safetensors"))
+        with progress(desc=f"caching the fp32 weights in {entry} (first load only)", total=1,
+                      unit="file") as bar:
+            save_file(state, str(tmp / "model.safetensors"))
+            bar.update()
         (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
 
     weights = build_atomically(entry / "model", build)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from labkit.cache import ModelNotInstalled, build_atomically, cache_dir, cache_entry, packaged_gguf
+from labkit.progress import progress
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "smollm2_tokenizer", "tokenizer_from_gguf"]
 
@@ -141,8 +142,11 @@ def tokenizer_from_gguf(path: str | Path) -> Tokenizer:
 
     def build(tmp: Path) -> None:
         # slow (seconds): transformers rebuilds the BPE from the vocabulary and merges
-        hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        hf.save_pretrained(tmp)
+        with progress(desc=f"building the tokenizer from {path.name} (first load only)",
+                      total=1, unit="file") as bar:
+            hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            hf.save_pretrained(tmp)
+            bar.update()
         (tmp / "labkit.json").write_text(json.dumps(
             {"eos_id": hf.eos_token_id, "bos_id": hf.bos_token_id}))
 

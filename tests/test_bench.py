@@ -17,6 +17,8 @@ def test_bench_generate_quick_json_reports_the_documented_fields():
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)  # exactly one JSON object on stdout; progress on stderr
+    for run in ("labkit", "transformers (grouped)", "transformers (padded)"):
+        assert f"round 1/1: {run}" in proc.stderr, run  # a bar for each run, on stderr
     for key in ("labkit_tok_s", "hf_tok_s", "ratio", "hf_grouped_tok_s", "hf_padded_tok_s"):
         assert isinstance(res[key], float) and res[key] > 0, (key, res[key])
     assert res["ratio"] == pytest.approx(res["labkit_tok_s"] / res["hf_tok_s"])
@@ -52,8 +54,9 @@ def test_bench_decode_json_rows_are_self_consistent():
                            "--repeats", "1", "--segment", "6", "--json"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]  # stdout: JSON lines only
     assert [r["streams"] for r in rows] == [1, 3]
+    assert "bench decode" in proc.stderr and "3 streams" in proc.stderr  # progress: stderr
     for r in rows:
         for key in ("device", "model", "streams", "blocking_ms", "pipelined_ms", "speedup",
                     "t_host_ms", "t_device_ms", "predicted_speedup", "zombie_rows",
@@ -93,3 +96,21 @@ def test_steady_state_skips_the_fill_and_counts_the_device_per_period():
     for step in range(3):
         short.add("host", "decode", step, step / 1e3, step / 1e3)
     assert steady_ms_per_step(short) is None
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_bench_decode_on_cuda_without_a_gpu_says_so_in_one_line(capsys):
+    from labkit import bench_decode
+    assert bench_decode.main(["--model", "tiny", "--device", "cuda"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "no CUDA GPU" in err, err
+
+
+def test_bench_decode_streams_0_gives_only_its_own_message(capsys):
+    from labkit import bench_decode
+    assert bench_decode.main(["--model", "tiny", "--streams", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--streams must be positive integers" in err and "--repeats" not in err, err
+    assert bench_decode.main(["--model", "tiny", "--repeats", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--repeats must be >= 1" in err and "--streams" not in err, err

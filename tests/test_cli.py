@@ -112,6 +112,16 @@ BAD_INPUT = {
                           "bad.jsonl:1: unknown keys ['tmperature']"),
     "jsonl-invalid": (["--model", "tiny", "--prompts-file", 'FILE:{"prompt": "a"}\n{prompt: b}'],
                       "bad.jsonl:2: not valid JSON"),
+    # a flag's value error names the flag the user typed, not "argument 1"
+    "flag-max-new": (["--model", "tiny", "--max-new-tokens", "0", "a b c"],
+                     "--max-new-tokens: max_new_tokens must be"),
+    "flag-top-p": (["--model", "tiny", "--top-p", "2", "a b c"], "--top-p: top_p must be"),
+    "flag-top-k": (["--model", "tiny", "--top-k", "0", "a b c"], "--top-k: top_k must be"),
+    "jsonl-constraint-kind": (
+        ["--model", "tiny", "--prompts-file",
+         'FILE:{"prompt": "a"}\n{"prompt": "b", "constraint": {"circle": 1}}'],
+        "bad.jsonl:2: constraint: unknown constraint kind 'circle'"),
+    "jsonl-empty": (["--model", "tiny", "--prompts-file", "FILE:\n  \n"], "bad.jsonl is empty"),
 }
 
 
@@ -166,3 +176,97 @@ def test_no_command_prints_usage_and_unknown_command_exits_2():
     proc = labkit("frobnicate")
     assert proc.returncode == 2
     assert "unknown command 'frobnicate'" in proc.stderr and proc.stdout == ""
+
+
+def test_flag_errors_never_say_argument_1(tmp_path, capsys):
+    from labkit.__main__ import main
+
+    for flag, value in (("--max-new-tokens", "0"), ("--top-p", "0"), ("--top-k", "-1"),
+                        ("--temperature", "-1")):
+        assert main(["generate", "--model", "tiny", flag, value, "a b c"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {flag}: ") and "argument 1" not in err, err
+
+
+def exit_code(run, argv: list[str]) -> int:
+    """A command's exit code, in this process: argparse exits, roofline returns its code."""
+    try:
+        return run(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def test_prefix_of_an_option_is_rejected_not_guessed(capsys):
+    """argparse's prefix matching would read --max-new-token as --max-new-tokens."""
+    from labkit import bench_decode
+    from labkit.__main__ import main
+
+    for run, argv in ((main, ["generate", "--max-new-token", "5", "a"]),
+                      (main, ["roofline", "--hard", "H100"]),
+                      (main, ["bench", "generate", "--stream", "4"]),
+                      (bench_decode.main, ["--stream", "1"])):
+        assert exit_code(run, argv) == 2, argv
+        assert "unrecognized arguments: --" in capsys.readouterr().err, argv
+
+
+@pytest.mark.parametrize("extra", [["--foo"], ["extra"]])
+def test_info_rejects_arguments(capsys, extra):
+    from labkit.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["info", *extra])
+    assert exit_.value.code == 2
+    assert f"unrecognized arguments: {extra[0]}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, shown", [
+    (["generate"], ["(default: 64)", "(default: 1.0)", "(default: smollm2-135m)",
+                    "(default: blocking)"]),
+    (["roofline"], ["(default: H200)", "(default: 1,8,32,256)", "(default: 1024)"]),
+    (["bench", "generate"], ["(default: 32)", "(default: 1)"]),
+    (["bench", "decode"], ["(default: 1,32)", "(default: 110)", "(default: 12)",
+                           "(default: auto)"]),
+])
+def test_help_shows_the_defaults(capsys, command, shown):
+    from labkit.__main__ import main
+
+    assert exit_code(main, [*command, "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    for text in shown:
+        assert text in out, (text, out)
+    assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_example_requests_file_covers_every_setting_and_runs():
+    """examples/requests.jsonl, as the README shows it: every per-line key, all three kinds of
+    constraint, and each answer obeys its line (tiny model: random words, but valid ones)."""
+    from labkit.cli import JSONL_KEYS
+
+    path = "examples/requests.jsonl"
+    lines = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+    assert set().union(*lines) == JSONL_KEYS, "every per-line setting appears in the example"
+    kinds = [next(iter(x["constraint"])) for x in lines if "constraint" in x]
+    assert sorted(kinds) == ["box", "choice", "point"]
+    proc = labkit("generate", "--model", "tiny", "--json", "--max-new-tokens", "6",
+                  "--prompts-file", path)
+    outs = json_lines(proc)
+    assert len(outs) == len(lines)
+    for o, line in zip(outs, lines):
+        spec = line.get("constraint")
+        if spec is None:
+            assert len(o["output_ids"]) <= line.get("max_new_tokens", 6), (line, o)
+            continue
+        assert o["finish_reason"] == "stop", ("a constrained answer ends complete", line, o)
+        if "choice" in spec:
+            assert o["text"] in spec["choice"], o
+        else:
+            answer = json.loads(o["text"])
+            keys = {"x", "y"} if "point" in spec else {"x_min", "y_min", "x_max", "y_max"}
+            assert set(answer) == keys and all(0 <= v <= 1 for v in answer.values()), o
+
+
+def test_readme_shows_the_example_requests_file_as_it_is():
+    readme = open("README.md", encoding="utf-8").read()
+    shown = readme.split("```json\n", 1)[1].split("```", 1)[0]
+    assert shown == open("examples/requests.jsonl", encoding="utf-8").read(), (
+        "README.md's prompts-file example differs from examples/requests.jsonl: copy it over")

@@ -355,3 +355,19 @@ def test_load_model_from_a_checkpoint_directory(tmp_path, cache):
     assert model.cfg.name == "checkpoint" and not model.cfg.tie_embeddings
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert tok.eos_id == 2 and tok.decode(tok.encode("hello")) == "hello"
+
+
+def test_first_load_shows_progress_on_stderr_and_a_cached_load_none(tmp_path, cache, capsys):
+    """The first load (30-60 s for SmolLM2) says what it does, on stderr only, so that a
+    command's --json stdout stays clean; a cached load is silent."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_model(seed=1))
+    load_model(str(path))
+    out, err = capsys.readouterr()
+    assert out == ""
+    for step in ("reading tiny.gguf", "dequantizing tiny.gguf", "caching the fp32 weights",
+                 "building the tokenizer"):
+        assert step in err, (step, err)
+    loading._WEIGHTS.clear()
+    load_model(str(path))
+    assert capsys.readouterr() == ("", "")
