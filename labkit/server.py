@@ -384,13 +384,12 @@ async def _stream(request: Request, worker: EngineWorker, job: Job, rid: str, mo
 
 def serve_main(argv: list[str]) -> int:
     """Entry point of `python -m labkit serve`."""
-    import argparse
     import sys
 
-    p = argparse.ArgumentParser(prog="python -m labkit serve", allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description="An OpenAI-compatible HTTP server over labkit's "
-                                            "engine (/v1/completions, /v1/chat/completions).")
+    from labkit.cli_parser import command_parser
+
+    p = command_parser("python -m labkit serve", "An OpenAI-compatible HTTP server over "
+                       "labkit's engine (/v1/completions, /v1/chat/completions).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, or a path")
