@@ -299,9 +299,17 @@ def decode_main(argv: list[str]) -> int:
     return int(importlib.import_module("labkit.bench_decode").main(argv) or 0)
 
 
+def attention_main(argv: list[str]) -> int:
+    """`python -m labkit bench attention`: naive, flash and SDPA attention."""
+    from labkit.bench_attention import main as attention_bench
+
+    return int(attention_bench(argv) or 0)
+
+
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (generate_main, "labkit against transformers' generate, tokens/s"),
     "decode": (decode_main, "blocking against pipelined decoding, ms per step"),
+    "attention": (attention_main, "naive vs flash vs SDPA attention: time, peak memory"),
 }
 
 

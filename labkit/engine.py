@@ -68,10 +68,13 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, kv_tokens: int = 16384, block_size: int = 16,
                  max_seqs: int = 64, cache: str = "paged", num_adapter_slots: int = 4,
-                 device: str = "inprocess"):
+                 device: str = "inprocess", attention: str | None = None):
+        # attention: "naive", "paged" or "flash" (labkit.attention.BACKENDS); None picks the
+        # cache's own ("paged" for the paged pool, "naive" for the contiguous slabs)
         num_blocks = max(1, kv_tokens // block_size)
         self.model, self.tokenizer = model, tokenizer
-        self.device: Device = make_device(device, model, num_blocks, block_size, max_seqs, cache)
+        self.device: Device = make_device(device, model, num_blocks, block_size, max_seqs, cache,
+                                          attention)
         self.scheduler = Scheduler(BlockAllocator(num_blocks), block_size, max_seqs,
                                    max_seq_len(model.cfg, cache, num_blocks, block_size,
                                                max_seqs), num_adapter_slots)
