@@ -166,3 +166,11 @@ def test_no_command_prints_usage_and_unknown_command_exits_2():
     proc = labkit("frobnicate")
     assert proc.returncode == 2
     assert "unknown command 'frobnicate'" in proc.stderr and proc.stdout == ""
+
+
+def test_flash_attention_backend_gives_the_same_tokens():
+    args = ("generate", "--model", "tiny", "--json", "--max-new-tokens", "6", "a b c",
+            "The cat sat on the mat")
+    paged = json_lines(labkit(*args))
+    flash = json_lines(labkit(*args, "--attention", "flash"))
+    assert [o["output_ids"] for o in flash] == [o["output_ids"] for o in paged]
