@@ -226,7 +226,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed turns per implementation")
     p.add_argument("--sweep-seq-len", type=int, default=None,
                    help="S of the tile-size sweep (default 4096; --quick 1024); 0: no sweep")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: with 2 threads on 2 shared cores, flash's "
+                        "many small tile ops stall in the thread pool whenever another program "
+                        "holds a core; measured at S=2048 under load: 307 ms at 1 thread, "
+                        "1985 ms at 2)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     args = p.parse_args(argv)
     try:
@@ -243,8 +247,10 @@ def main(argv: list[str]) -> int:
         print("error: --phases takes prefill,decode; --impls naive,flash,sdpa; --repeats >= 1",
               file=sys.stderr)
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads < 1:
+        print("error: --threads must be >= 1", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
     repeats = 3 if args.quick and args.repeats == 5 else args.repeats
     sweep_s = args.sweep_seq_len if args.sweep_seq_len is not None else (
         1024 if args.quick else 4096)
