@@ -123,13 +123,14 @@ def test_flash_meta_has_no_context_slots_and_no_mask():
         assert torch.equal(getattr(meta, name), getattr(ref, name)), name
 
 
-def _engine_tokens(attention: str, decoder: str) -> list[list[int]]:
+def _engine_tokens(attention: str, decoder: str, cache: str = "paged") -> list[list[int]]:
     from labkit.engine import Engine
     from labkit.model import LlamaModel, init_random
     from labkit.sampling import SamplingParams
 
     model = init_random(LlamaModel(ModelConfig.tiny()).eval(), seed=3)
-    engine = Engine(model, None, kv_tokens=1024, block_size=4, max_seqs=4, attention=attention)
+    engine = Engine(model, None, kv_tokens=1024, block_size=4, max_seqs=4, attention=attention,
+                    cache=cache)
     if attention == "flash":
         engine.device.runner.backend.tile_tokens = 8  # two pages a tile: many tiles per step
     gen = torch.Generator().manual_seed(0)
@@ -150,6 +151,8 @@ def test_engine_gives_the_same_tokens_with_flash(decoder):
     paged = _engine_tokens("paged", decoder)
     assert _engine_tokens("flash", decoder) == paged
     assert _engine_tokens("naive", decoder) == paged
+    # the contiguous cache is one page per row: flash's tiles are slices of that page
+    assert _engine_tokens("flash", decoder, cache="contiguous") == paged
 
 
 def test_flash_peak_memory_grows_linearly_in_s():
