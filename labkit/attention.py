@@ -14,6 +14,9 @@ both caches share this metadata. The backends share one signature and one test:
 - `NaiveAttention`: a Python loop over sequences with the softmax written out; the reference.
 - `PagedAttention`: one batched gather over the block tables, then fused scaled-dot-product
   attention, with grouped-query heads folded into the query rows so K and V are never repeated.
+- `FlashAttention` (below, with the chapter-04 functions `flash_attention`, `merge_partials`,
+  `flash_decode`): the KV pool a tile of pages at a time with an online softmax; its
+  `FlashMeta` holds no [B, L] slots and no mask. On CUDA, labkit.attention_triton's kernel.
 """
 
 from __future__ import annotations
