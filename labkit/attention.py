@@ -14,6 +14,9 @@ both caches share this metadata. The backends share one signature and one test:
 - `NaiveAttention`: a Python loop over sequences with the softmax written out; the reference.
 - `PagedAttention`: one batched gather over the block tables, then fused scaled-dot-product
   attention, with grouped-query heads folded into the query rows so K and V are never repeated.
+- `FlashAttention` (below, with the chapter-04 functions `flash_attention`, `merge_partials`,
+  `flash_decode`): the KV pool a tile of pages at a time with an online softmax; its
+  `FlashMeta` holds no [B, L] slots and no mask. On CUDA, labkit.attention_triton's kernel.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from labkit import attention_triton
 from labkit.paged_kv import KVStore
 
 
@@ -85,6 +89,8 @@ class AttentionMeta:
 
 class AttentionBackend:
     """Common part: the store, the step's metadata, and the write of new k and v."""
+
+    meta_type: type[AttentionMeta] = AttentionMeta  # what the runner builds for each step
 
     def __init__(self, store: KVStore):
         self.store = store
@@ -154,3 +160,224 @@ class PagedAttention(AttentionBackend):
 
 
 BACKENDS = {"naive": NaiveAttention, "paged": PagedAttention}
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashAttention: K and V in tiles, a running max and sum (online softmax), never an S x S matrix
+# ---------------------------------------------------------------------------------------------
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(D)) v with the whole [B, H, Tq, L] score matrix in memory; (out,
+    lse) as flash_attention, same shapes and causal rule. The reference, and what tiles save."""
+    b, h, tq, d = q.shape
+    seq_len = k.shape[2]
+    g = h // k.shape[1]
+    k = k.float().repeat_interleave(g, 1)  # [B, H, L, D]: each query head gets its own copy
+    v = v.float().repeat_interleave(g, 1)
+    scores = (q.float() / math.sqrt(d)) @ k.transpose(-1, -2)  # [B, H, Tq, L]
+    if causal:
+        i = torch.arange(tq, device=q.device)[:, None] + seq_len - tq  # query positions
+        hidden = torch.arange(seq_len, device=q.device)[None, :] > i  # [Tq, L]
+        scores = scores.masked_fill(hidden, float("-inf"))
+    lse = scores.logsumexp(-1)  # [B, H, Tq]
+    probs = scores.softmax(-1)  # [B, H, Tq, L]: a second S x S matrix
+    return (probs @ v).to(q.dtype), lse
+
+
+def online_softmax_update(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor,  # noqa: E741
+                          scores: torch.Tensor, v: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold one tile of `scores` [..., Tq, Tk] and values `v` [..., Tk, D] into the running
+    max `m` [..., Tq], sum `l` [..., Tq] and unnormalised output `acc` [..., Tq, D]."""
+    m_new = torch.maximum(m, scores.amax(-1))  # the max over every key seen so far
+    # a row that has seen only masked keys keeps m = -inf: subtract 0 so exp() gives 0, not NaN
+    m_ref = torch.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = torch.exp(m - m_ref)  # what was summed under the old max, rescaled to the new one
+    p = (scores - m_ref[..., None]).exp_()  # [..., Tq, Tk]: one new tile, exp in place
+    l_new = l * alpha + p.sum(-1)
+    acc = acc * alpha[..., None] + p @ v  # [..., Tq, D]
+    return m_new, l_new, acc
+
+
+def _finish(m: torch.Tensor, total: torch.Tensor, acc: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) from the running state; a row that saw no key gets out 0 and lse -inf."""
+    seen = total > 0
+    out = acc / torch.where(seen, total, 1.0)[..., None]
+    lse = torch.where(seen, m + torch.log(torch.where(seen, total, 1.0)), float("-inf"))
+    return out, lse
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    block_k: int = 256, block_q: int = 256
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiled attention with online softmax: (out [B, H, Tq, D], lse [B, H, Tq]).
+
+    q: [B, H, Tq, D]; k, v: [B, Hkv, L, D] with H a multiple of Hkv (grouped-query heads share
+    a KV head, which is never repeated). Causal: query i sits at position L - Tq + i and sees
+    keys 0 .. L - Tq + i. Computed in fp32; memory is O(block_q * block_k) per head, not O(L^2).
+    """
+    b, h, tq, d = q.shape
+    hkv, seq_len = k.shape[1], k.shape[2]
+    if h % hkv or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"flash_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}, "
+                         f"{tuple(v.shape)} do not fit [B, H, Tq, D] / [B, Hkv, L, D]")
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"block sizes must be >= 1, got block_q={block_q}, block_k={block_k}")
+    g = h // hkv
+    scale = 1.0 / math.sqrt(d)
+    qg = q.float().view(b, hkv, g, tq, d)  # query head i uses KV head i // G
+    out = torch.empty(b, hkv, g, tq, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, hkv, g, tq, dtype=torch.float32, device=q.device)
+    for i0 in range(0, tq, block_q):
+        i1 = min(i0 + block_q, tq)
+        qb = (qg[:, :, :, i0:i1] * scale).reshape(b, hkv, g * (i1 - i0), d)  # read Q block once
+        q_pos = seq_len - tq + torch.arange(i0, i1, device=q.device).repeat(g)  # [G * bq]
+        # causal: keys past the block's last query are never visible, so never read
+        end = min(seq_len, seq_len - tq + i1) if causal else seq_len
+        m = torch.full((b, hkv, g * (i1 - i0)), float("-inf"), device=q.device)
+        total = torch.zeros(b, hkv, g * (i1 - i0), device=q.device)
+        acc = torch.zeros(b, hkv, g * (i1 - i0), d, device=q.device)
+        for j0 in range(0, end, block_k):
+            j1 = min(j0 + block_k, end)
+            kt = k[:, :, j0:j1].float()  # [B, Hkv, bk, D]: read K tile
+            scores = qb @ kt.transpose(-1, -2)  # [B, Hkv, G*bq, bk]: stays in the tile
+            if causal and j1 - 1 > seq_len - tq + i0:  # the tile crosses the diagonal
+                k_pos = torch.arange(j0, j1, device=q.device)
+                scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+            m, total, acc = online_softmax_update(m, total, acc, scores,
+                                                  v[:, :, j0:j1].float())
+        o, s = _finish(m, total, acc)
+        out[:, :, :, i0:i1] = o.view(b, hkv, g, i1 - i0, d)  # write O block once
+        lse[:, :, :, i0:i1] = s.view(b, hkv, g, i1 - i0)
+    return out.view(b, h, tq, d).to(q.dtype), lse.view(b, h, tq)
+
+
+def merge_partials(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two attentions of the same queries over disjoint key sets: (out, lse) each,
+    out [..., D] and lse [...]; returns the attention over the union, as (out, lse)."""
+    (o1, lse1), (o2, lse2) = a, b
+    lse = torch.logaddexp(lse1, lse2)  # log(sum over both key sets of exp(score))
+    ref = torch.where(lse == float("-inf"), 0.0, lse)  # both sets empty: weights 0, not NaN
+    w1 = torch.exp(lse1 - ref)[..., None]  # the share of the softmax mass in the first set
+    w2 = torch.exp(lse2 - ref)[..., None]
+    return w1 * o1.float() + w2 * o2.float(), lse
+
+
+def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_splits: int = 4,
+                 block_k: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash-decoding (split-K): the context in `num_splits` chunks attended independently
+    (on a GPU, in parallel), then merged by their log-sum-exps: (out, lse) as flash_attention.
+
+    q: [B, H, Tq, D] queries that see the whole context (decode); k, v: [B, Hkv, L, D].
+    """
+    seq_len = k.shape[2]
+    chunk = -(-seq_len // max(1, num_splits))
+    parts = [flash_attention(q, k[:, :, s:s + chunk], v[:, :, s:s + chunk], causal=False,
+                             block_k=block_k, block_q=q.shape[2])
+             for s in range(0, seq_len, chunk)]  # each chunk: its own (out, lse)
+    out, lse = parts[0]
+    for part in parts[1:]:
+        out, lse = merge_partials((out, lse), part)
+    return out.to(q.dtype), lse
+
+
+@dataclass
+class FlashMeta(AttentionMeta):
+    """AttentionMeta without the [B, L] context slots or the [B, Tq, L] mask: FlashAttention
+    walks the block tables itself, a tile at a time."""
+
+    block_tables: torch.Tensor  # [B, nb] page ids of each sequence, in order
+    block_size: int
+    starts: torch.Tensor  # [B] tokens cached before this step
+    max_ctx: int  # the longest context: how far the tile loop walks
+
+    @staticmethod
+    def build(query_lens: torch.Tensor, starts: torch.Tensor, block_tables: torch.Tensor,
+              block_size: int, max_q: int | None = None, max_ctx: int | None = None
+              ) -> FlashMeta:
+        """Same arguments as AttentionMeta.build; only O(T) index tensors."""
+        dev = block_tables.device
+        b = query_lens.shape[0]
+        ctx_lens = starts + query_lens  # [B]
+        max_ctx = int(ctx_lens.max()) if max_ctx is None else max_ctx
+        tq = int(query_lens.max()) if max_q is None else max_q
+        j = torch.arange(tq, device=dev)
+        q_pos = starts[:, None] + j[None, :]  # [B, Tq]
+        valid_q = j[None, :] < query_lens[:, None]
+        first = torch.cumsum(query_lens, 0) - query_lens
+        q_index = torch.where(valid_q, first[:, None] + j[None, :], 0)
+        page = block_tables.gather(1, (q_pos // block_size).clamp(max=block_tables.shape[1] - 1))
+        write_slots = page * block_size + q_pos % block_size  # [B, Tq]
+        unpad_index = torch.arange(b, device=dev)[:, None] * tq + j[None, :]
+        if tq == 1:
+            write_slots, q_pos, unpad_index = (write_slots.view(b), q_pos.view(b),
+                                               unpad_index.view(b))
+        else:
+            write_slots, q_pos, unpad_index = (write_slots[valid_q], q_pos[valid_q],
+                                               unpad_index[valid_q])
+        return FlashMeta(write_slots, q_pos, None, ctx_lens, query_lens, q_index, unpad_index,
+                         None, first + query_lens - 1, block_tables, block_size, starts, max_ctx)
+
+
+class FlashAttention(AttentionBackend):
+    """Reads the KV pool a tile (`tile_tokens`, whole pages when they fit) at a time through
+    the block tables, with online softmax; decode merges per-tile partials (split-K).
+
+    On CUDA with triton importable, the fused kernel in labkit.attention_triton runs instead.
+    """
+
+    meta_type = FlashMeta
+
+    def __init__(self, store: KVStore, tile_tokens: int = 256):
+        super().__init__(store)
+        self.tile_tokens = tile_tokens
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        m = self.meta
+        if attention_triton.supported(q):
+            return attention_triton.paged_flash_forward(
+                q, self.store.k[layer], self.store.v[layer], m.q_index, m.starts, m.query_lens,
+                m.block_tables, m.block_size)
+        b, tq = m.q_index.shape
+        t, h, d = q.shape
+        hkv = self.store.k.shape[2]
+        g = h // hkv
+        bs = m.block_size
+        # whole pages per tile; a slice of one when a page is larger (the contiguous slab)
+        tile = self.tile_tokens // bs * bs if bs <= self.tile_tokens else self.tile_tokens
+        qp = q[m.q_index].float() / math.sqrt(d)  # [B, Tq, H, D]
+        qg = qp.view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * tq, d)
+        q_pos = (m.starts[:, None] + torch.arange(tq, device=q.device).repeat(g)[None, :])
+        last_col = m.block_tables.shape[1] - 1
+        rows = g * tq
+        state = None  # (m, l, acc) for prefill; (out, lse) for decode
+        for p0 in range(0, m.max_ctx, tile):
+            pos = torch.arange(p0, min(p0 + tile, m.max_ctx), device=q.device)  # [Tk]
+            pages = m.block_tables[:, (pos // bs).clamp(max=last_col)]  # [B, Tk]
+            slots = pages * bs + pos % bs
+            kt = self.store.k[layer][slots].float().transpose(1, 2)  # [B, Hkv, Tk, D]
+            vt = self.store.v[layer][slots].float().transpose(1, 2)
+            scores = qg @ kt.transpose(-1, -2)  # [B, Hkv, G*Tq, Tk]
+            hidden = pos[None, None, :] > q_pos[:, :, None]  # [B, G*Tq, Tk]: causal, ragged
+            scores = scores.masked_fill(hidden[:, None], float("-inf"))
+            if tq == 1:  # decode: this tile's own partial, merged by log-sum-exp (split-K)
+                z = (torch.full((b, hkv, rows), float("-inf"), device=q.device),
+                     torch.zeros(b, hkv, rows, device=q.device),
+                     torch.zeros(b, hkv, rows, d, device=q.device))
+                part = _finish(*online_softmax_update(*z, scores, vt))
+                state = part if state is None else merge_partials(state, part)
+            else:
+                if state is None:
+                    state = (torch.full((b, hkv, rows), float("-inf"), device=q.device),
+                             torch.zeros(b, hkv, rows, device=q.device),
+                             torch.zeros(b, hkv, rows, d, device=q.device))
+                state = online_softmax_update(*state, scores, vt)
+        out = state[0] if tq == 1 else _finish(*state)[0]  # [B, Hkv, G*Tq, D]
+        out = out.view(b, hkv, g, tq, d).permute(0, 3, 1, 2, 4).reshape(b * tq, h, d)
+        return out[m.unpad_index].to(q.dtype)  # [T, H, D]
+
+
+BACKENDS["flash"] = FlashAttention

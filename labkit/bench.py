@@ -221,8 +221,8 @@ def _agree_until_eos(ours: list[int], theirs: list[int], eos: int) -> bool:
 
 
 def bench_generate(streams: int = 32, threads: int | None = None, model: str = "smollm2-135m",
-                   quick: bool = False, rounds: int = 1, log: Callable[[str], None] = print
-                   ) -> dict:
+                   quick: bool = False, rounds: int = 1, log: Callable[[str], None] = print,
+                   attention: str = "paged") -> dict:
     """labkit against transformers on the same requests; throughput of each and the ratio."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -246,7 +246,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
                          f"smollm2-135m or a Hugging Face checkpoint directory, got {model!r}")
     pad_id = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else tok.eos_id
     work = chat_workload(tok, streams, QUICK_LENGTHS if quick else OUTPUT_LENGTHS)
-    engine = labkit.Engine(m, tok, max_seqs=max(streams, 1))
+    engine = labkit.Engine(m, tok, max_seqs=max(streams, 1), attention=attention)
 
     warm = [(ids, 4) for ids, _ in work[:2]]  # first calls pay for allocation and dispatch
     run_labkit(engine, warm)
@@ -298,6 +298,8 @@ def generate_main(argv: list[str]) -> int:
                    help="smollm2-135m or a Hugging Face checkpoint directory")
     p.add_argument("--rounds", type=int, default=1, help="timed runs of each, alternating")
     p.add_argument("--quick", action="store_true", help="8 requests, 4-16 new tokens each")
+    p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
+                   help="labkit's attention backend")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
     if not 1 <= args.streams <= len(INSTRUCTIONS):
@@ -311,7 +313,8 @@ def generate_main(argv: list[str]) -> int:
         f"greedy, {args.threads or torch.get_num_threads()} torch threads, "
         f"{os.cpu_count()} cores")
     try:
-        res = bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds, log)
+        res = bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds, log,
+                             args.attention)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -338,9 +341,17 @@ def decode_main(argv: list[str]) -> int:
     return int(importlib.import_module("labkit.bench_decode").main(argv) or 0)
 
 
+def attention_main(argv: list[str]) -> int:
+    """`python -m labkit bench attention`: naive, flash and SDPA attention."""
+    from labkit.bench_attention import main as attention_bench
+
+    return int(attention_bench(argv) or 0)
+
+
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (generate_main, "labkit against transformers' generate, tokens/s"),
     "decode": (decode_main, "blocking against pipelined decoding, ms per step"),
+    "attention": (attention_main, "naive vs flash vs SDPA attention: time, peak memory"),
 }
 
 

@@ -220,6 +220,8 @@ def main(argv: list[str]) -> int:
                         "work: automata and masks); sampled, to completion")
     p.add_argument("--extra-host-ms", type=float, default=0.0,
                    help="WHAT-IF: add this much pure-Python host work to every commit")
+    p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
+                   help="attention backend (labkit.attention.BACKENDS)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     args = p.parse_args(argv)
     try:
@@ -254,7 +256,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     engine = Engine(model, tok, device=device, max_seqs=max(streams),
-                    kv_tokens=max(streams) * (args.tokens + 64) + 256, block_size=16)
+                    kv_tokens=max(streams) * (args.tokens + 64) + 256, block_size=16,
+                    attention=args.attention)
     engine.extra_host_work_s = args.extra_host_ms / 1e3
     gc.collect()
     gc.freeze()  # a collector pause of ~100 ms on this heap would land in some random step
@@ -274,7 +277,8 @@ def main(argv: list[str]) -> int:
     for r in rows:
         r.pop("timelines")
         r.update(device=hardware, model=args.model, dtype=args.dtype, tokens=args.tokens,
-                 constraint=args.constraint, extra_host_ms=args.extra_host_ms)
+                 constraint=args.constraint, extra_host_ms=args.extra_host_ms,
+                 attention=args.attention)
     if args.json:
         for r in rows:
             print(json.dumps(r))

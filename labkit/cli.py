@@ -43,6 +43,8 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, or a path")
     p.add_argument("--decoder", choices=("blocking", "pipelined"), default="blocking",
                    help="the decode loop")
+    p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
+                   help="attention backend (labkit.attention.BACKENDS)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per request on stdout, in input order")
     return p
@@ -127,7 +129,7 @@ def _generate(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        engine = labkit.get_engine(args.model)
+        engine = labkit.get_engine(args.model, attention=args.attention)
     except (ValueError, RuntimeError, OSError) as err:
         raise UsageError(str(err)) from None
     load_s = time.perf_counter() - t0
@@ -170,7 +172,8 @@ def _generate(args) -> int:
     ttft = sorted(o.ttft_s for o in outs)[len(outs) // 2]
     print(f"[labkit] {len(outs)} requests, {n_tok} tokens in {gen_s:.2f} s "
           f"({n_tok / gen_s:.1f} tok/s), median time to first token {ttft * 1e3:.0f} ms, "
-          f"model load {load_s:.1f} s, decoder {args.decoder}", file=sys.stderr)
+          f"model load {load_s:.1f} s, decoder {args.decoder}, "
+          f"attention {args.attention}", file=sys.stderr)
     return 0
 
 

@@ -255,7 +255,7 @@ class ProcessDevice(Device):
 
     def __init__(self, model, num_blocks: int, block_size: int, max_seqs: int,
                  cache: str = "paged", threads: int = 1, start_timeout_s: float = 120.0,
-                 pin: bool = True):
+                 pin: bool = True, attention: str | None = None):
         import torch.multiprocessing as mp
 
         split = split_cpus() if pin else None
@@ -275,9 +275,9 @@ class ProcessDevice(Device):
         copy_rx, self._copy = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=_device_main, daemon=True, name="labkit-device",
-            args=(model, (num_blocks, block_size, max_seqs, cache), threads, self.device_cpus,
-                  compute_rx, copy_rx, self.copy_done, self.host_tokens, self.trace,
-                  self.trace_n, self._errors))
+            args=(model, (num_blocks, block_size, max_seqs, cache, "cpu", attention), threads,
+                  self.device_cpus, compute_rx, copy_rx, self.copy_done, self.host_tokens,
+                  self.trace, self.trace_n, self._errors))
         self.proc.start()
         self._mask_keys: dict[int, tuple[int, torch.Tensor]] = {}
         self._trace_read = [0, 0]

@@ -78,7 +78,7 @@ class DecodeGraphs:
     def forward(self, plan: StepPlan) -> torch.Tensor | None:
         """Replay the graph for a decode plan (None if it has no graph-able shape)."""
         r = self.runner
-        if plan.kind != "decode" or r.cache_kind != "paged":
+        if plan.kind != "decode" or r.cache_kind != "paged" or r.attention != "paged":
             return None
         b = len(plan.rows)
         ctx = max(plan.starts) + 1
@@ -109,7 +109,7 @@ class CudaDevice(Device):
     simulated = False
 
     def __init__(self, model, num_blocks: int, block_size: int, max_seqs: int,
-                 cache: str = "paged", use_graphs: bool = True):
+                 cache: str = "paged", use_graphs: bool = True, attention: str | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("CudaDevice needs an NVIDIA GPU; on this machine use "
                                "device='process' (the simulated accelerator)")
@@ -117,7 +117,8 @@ class CudaDevice(Device):
         self.name = torch.cuda.get_device_name(dev)
         model = copy.deepcopy(model).to(dev)  # the caller's CPU model stays as it was
         # one extra page: the scratch page padded graph rows write into
-        self.runner = ModelRunner(model, num_blocks + 1, block_size, max_seqs, cache, dev)
+        self.runner = ModelRunner(model, num_blocks + 1, block_size, max_seqs, cache, dev,
+                                  attention)
         self.compute = torch.cuda.Stream(dev)
         self.copy = torch.cuda.Stream(dev)
         self.graphs = DecodeGraphs(self.runner, self.compute) if use_graphs else None

@@ -65,16 +65,18 @@ class Launch:
 
 
 def make_device(kind: str, model, num_blocks: int, block_size: int, max_seqs: int,
-                cache: str = "paged") -> Device:
+                cache: str = "paged", attention: str | None = None) -> Device:
     """A device by name: "inprocess", "process" (simulated accelerator) or "cuda"."""
     if kind == "inprocess":
-        return InProcessDevice(ModelRunner(model, num_blocks, block_size, max_seqs, cache))
+        return InProcessDevice(ModelRunner(model, num_blocks, block_size, max_seqs, cache,
+                                           attention=attention))
     if kind == "process":
-        return ProcessDevice(model, num_blocks, block_size, max_seqs, cache)
+        return ProcessDevice(model, num_blocks, block_size, max_seqs, cache,
+                             attention=attention)
     if kind == "cuda":
         from labkit.device_cuda import CudaDevice  # imported on use: CPU machines skip it
 
-        return CudaDevice(model, num_blocks, block_size, max_seqs, cache)
+        return CudaDevice(model, num_blocks, block_size, max_seqs, cache, attention=attention)
     raise ValueError(f"device must be 'inprocess', 'process' or 'cuda', got {kind!r}")
 
 
@@ -83,10 +85,13 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, kv_tokens: int = 16384, block_size: int = 16,
                  max_seqs: int = 64, cache: str = "paged", num_adapter_slots: int = 4,
-                 device: str = "inprocess"):
+                 device: str = "inprocess", attention: str | None = None):
+        # attention: "naive", "paged" or "flash" (labkit.attention.BACKENDS); None picks the
+        # cache's own ("paged" for the paged pool, "naive" for the contiguous slabs)
         num_blocks = max(1, kv_tokens // block_size)
         self.model, self.tokenizer = model, tokenizer
-        self.device: Device = make_device(device, model, num_blocks, block_size, max_seqs, cache)
+        self.device: Device = make_device(device, model, num_blocks, block_size, max_seqs, cache,
+                                          attention)
         self.scheduler = Scheduler(BlockAllocator(num_blocks), block_size, max_seqs,
                                    max_seq_len(model.cfg, cache, num_blocks, block_size,
                                                max_seqs), num_adapter_slots)

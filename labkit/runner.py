@@ -66,22 +66,27 @@ class ModelRunner:
     """Owns the model, the KV cache and the device rows; runs forward and sample."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_seqs: int,
-                 cache: str = "paged", device: torch.device | str = "cpu"):
+                 cache: str = "paged", device: torch.device | str = "cpu",
+                 attention: str | None = None):
         cfg = model.cfg
         self.model, self.cfg = model, cfg
         self.device = torch.device(device)
         dtype = next(model.parameters()).dtype
         if cache == "paged":
             self.cache = PagedKVCache(cfg, num_blocks, block_size, dtype, self.device)
-            self.backend = BACKENDS["paged"](self.cache)
         elif cache == "contiguous":
             # the same memory as the paged pool, cut into one fixed slab per row: the layout
             # paging replaces (every row reserves the longest sequence it might hold)
             row_len = contiguous_row_len(num_blocks, block_size, max_seqs)
             self.cache = ContiguousKVCache(cfg, max_seqs, row_len, dtype, self.device)
-            self.backend = BACKENDS["naive"](self.cache)
         else:
             raise ValueError(f"cache must be 'paged' or 'contiguous', got {cache!r}")
+        # the backend defaults to the cache's natural partner; any backend reads either cache
+        attention = attention or ("paged" if cache == "paged" else "naive")
+        if attention not in BACKENDS:
+            raise ValueError(f"attention must be one of {sorted(BACKENDS)}, got {attention!r}")
+        self.backend = BACKENDS[attention](self.cache)
+        self.attention = attention
         self.cache_kind = cache
         self.last_tokens = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
 
@@ -100,8 +105,9 @@ class ModelRunner:
             tables = self.to_device([t + [0] * (width - len(t)) for t in plan.block_tables])
             block_size = self.cache.block_size
         max_ctx = max(s + q for s, q in zip(plan.starts, plan.query_lens))
-        return AttentionMeta.build(self.to_device(plan.query_lens), self.to_device(plan.starts),
-                                   tables, block_size, max(plan.query_lens), max_ctx)
+        build = self.backend.meta_type.build  # flash's meta has no [B, L] slots, no mask
+        return build(self.to_device(plan.query_lens), self.to_device(plan.starts), tables,
+                     block_size, max(plan.query_lens), max_ctx)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:

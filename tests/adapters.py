@@ -27,7 +27,7 @@ def stub(module: str, name: str) -> Callable:
 
 def solutions() -> dict[str, Callable]:
     """Exercise name -> the function the graders check (learner's or labkit's)."""
-    from labkit import model, roofline, sampling, sequence
+    from labkit import attention, model, roofline, sampling, sequence
 
     return {
         # chapter 00
@@ -40,6 +40,13 @@ def solutions() -> dict[str, Callable]:
                                   roofline.decode_step_flops),
         "decode_step_bytes": pick("ch01_roofline", "decode_step_bytes",
                                   roofline.decode_step_bytes),
+        # chapter 04
+        "online_softmax_update": pick("ch04_flash_attention", "online_softmax_update",
+                                      attention.online_softmax_update),
+        "merge_partials": pick("ch04_flash_attention", "merge_partials",
+                               attention.merge_partials),
+        "tiled_attention": pick("ch04_flash_attention", "tiled_attention",
+                                attention.flash_attention),
         # chapter 07
         "commit_row": pick("ch07_pipelined", "commit_row", sequence.commit_row),
         "can_release": pick("ch07_pipelined", "can_release", sequence.can_release),

@@ -1,11 +1,11 @@
-"""Paged attention agrees with naive attention and with a reference written here."""
+"""Paged and flash attention agree with naive attention and with a reference written here."""
 
 import math
 
 import pytest
 import torch
 
-from labkit.attention import AttentionMeta, NaiveAttention, PagedAttention
+from labkit.attention import FlashAttention, NaiveAttention, PagedAttention
 from labkit.model import ModelConfig
 from labkit.paged_kv import PagedKVCache
 
@@ -23,7 +23,7 @@ def reference(q_seq, k_ctx, v_ctx, start):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
-@pytest.mark.parametrize("backend", [NaiveAttention, PagedAttention])
+@pytest.mark.parametrize("backend", [NaiveAttention, PagedAttention, FlashAttention])
 @pytest.mark.parametrize("starts,qlens", [([0, 0, 0], [5, 9, 2]), ([7, 3, 12], [1, 1, 1]),
                                           ([4, 0, 9], [3, 6, 1])])
 def test_backend_matches_reference(backend, starts, qlens):
@@ -39,7 +39,8 @@ def test_backend_matches_reference(backend, starts, qlens):
     for b, s in enumerate(starts):
         slots = torch.tensor(cache.slots(tables[b], 0, s), dtype=torch.long)
         cache.write(0, slots, ctx_k[b][:s], ctx_v[b][:s])
-    meta = AttentionMeta.build(torch.tensor(qlens), torch.tensor(starts), torch.tensor(tables), bs)
+    meta = backend.meta_type.build(torch.tensor(qlens), torch.tensor(starts), torch.tensor(tables),
+                                   bs)
     attn = backend(cache)
     attn.begin_step(meta)
     q = torch.randn(sum(qlens), h, d, generator=gen)

@@ -270,3 +270,11 @@ def test_readme_shows_the_example_requests_file_as_it_is():
     shown = readme.split("```json\n", 1)[1].split("```", 1)[0]
     assert shown == open("examples/requests.jsonl", encoding="utf-8").read(), (
         "README.md's prompts-file example differs from examples/requests.jsonl: copy it over")
+
+
+def test_flash_attention_backend_gives_the_same_tokens():
+    args = ("generate", "--model", "tiny", "--json", "--max-new-tokens", "6", "a b c",
+            "The cat sat on the mat")
+    paged = json_lines(labkit(*args))
+    flash = json_lines(labkit(*args, "--attention", "flash"))
+    assert [o["output_ids"] for o in flash] == [o["output_ids"] for o in paged]
