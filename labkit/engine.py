@@ -252,8 +252,10 @@ class Engine:
         for r in launch.rows:
             s = r.seq
             assert not s.released, f"request {s.request_id} launched after release"
-            if not r.pad:  # the pages this step writes must be owned, and by it alone
-                alloc.check_writable(s.block_table[r.start // bs:(r.start + r.n - 1) // bs + 1])
+            if not r.pad:  # the pages this step writes must be owned (and, when planned, by
+                # it alone: the scheduler checked; a later row may share a page it fills)
+                alloc.check_writable(s.block_table[r.start // bs:(r.start + r.n - 1) // bs + 1],
+                                     shared_ok=True)
         for s in launch.seqs:  # checked first, so a refused launch changes nothing
             s.inflight_refs += 1
         launch.slot = slot

@@ -112,11 +112,16 @@ class BlockAllocator:
                 else:
                     self._free.append(p)
 
-    def check_writable(self, pages: Sequence[int]) -> None:
-        """Raise if a page is free (writing corrupts its next owner) or shared (read-only)."""
+    def check_writable(self, pages: Sequence[int], shared_ok: bool = False) -> None:
+        """Raise if a page is free (writing corrupts its next owner) or shared (read-only).
+
+        `shared_ok`: only the first check. A launch may write a page that a later row of the
+        same launch shares (the device writes each layer's KV before any row reads it); the
+        scheduler checks each row against sharing when it plans it, before anyone shares.
+        """
         for p in pages:
             self._check_live(p, "written")
-            if self._refs[p] > 1:
+            if self._refs[p] > 1 and not shared_ok:
                 raise RuntimeError(f"KV page {p} written while shared (refcount "
                                    f"{self._refs[p]}): copy-on-write must give the writer a "
                                    "private page first")

@@ -182,14 +182,20 @@ class Scheduler:
             rows.append(Row(s, s.num_cached, 1, True, True))
             planned.add(s.request_id)
             budget -= 1
-        if budget > 0:  # 2. admission
-            self._admit(budget)
-        for s in self.running:  # 3. prefill chunks, arrival order
-            if budget <= 0:
+            self._written(rows[-1])
+        static = self.batching == "static"
+        if static and not self.running:  # a static batch is admitted whole, then runs until
+            while self._admit_one() is not None:  # every member has left
+                pass
+        # 2. prefill chunks in arrival order: running sequences first, then admissions (each
+        # admitted one planned before the next is matched, so it finds the pages just named)
+        prefilling = [s for s in self.running if not (
+            s.preempted or s.finalized or s.decoding or s.request_id in planned)]
+        while budget > 0:
+            if prefilling:
+                s = prefilling.pop(0)
+            elif static or (s := self._admit_one()) is None:
                 break
-            if (s.preempted or s.finalized or s.decoding or s.released
-                    or s.request_id in planned):
-                continue
             end = min(s.num_tokens, s.num_cached + budget)
             end = min(end, self._fits(s, end))
             if end <= s.num_cached:
@@ -199,18 +205,21 @@ class Scheduler:
             rows.append(Row(s, s.num_cached, n, end == s.num_tokens, False))
             planned.add(s.request_id)
             budget -= n
-        for r in rows:  # what the launch will have computed, once it is launched
-            s = r.seq
-            if r.pad:
-                continue
-            s.num_cached += r.n
-            if r.emits:
-                s.pending += 1
-                s.decoding = True
-            if not r.from_device and self.prefix is not None:
-                s.page_hashes = self.prefix.register(s.context, s.adapter or 0, s.block_table,
-                                                     s.page_hashes, s.num_cached)
+            self._written(rows[-1])
         return rows
+
+    def _written(self, r: Row) -> None:
+        """Book what a planned row computes: the launch that carries it writes its KV."""
+        s, bs = r.seq, self.block_size
+        # a row writes only pages its sequence alone owns (shared ones are read-only)
+        self.allocator.check_writable(s.block_table[r.start // bs:(r.start + r.n - 1) // bs + 1])
+        s.num_cached += r.n
+        if r.emits:
+            s.pending += 1
+            s.decoding = True
+        if not r.from_device and self.prefix is not None:  # its tokens are known: name pages
+            s.page_hashes = self.prefix.register(s.context, s.adapter or 0, s.block_table,
+                                                 s.page_hashes, s.num_cached)
 
     def _stalled(self) -> bool:
         """Live sequences, none planned, and no launched step will return a page."""
@@ -248,36 +257,34 @@ class Scheduler:
                    if s.inflight_refs and (s.preempted or (s.finalized and not static))
                    for p in s.block_table if alloc.refcount(p) == 1)
 
-    def _admit(self, budget: int) -> None:
-        """Move waiting sequences to running while their resources are free (FCFS)."""
-        if self.batching == "static" and self.running:
-            return  # a static batch runs until every member has left
-        while (self.waiting and len(self.running) < self.max_running
-               and self.rows.num_free > 0):
-            seq = self.waiting[0]
-            if seq.adapter is not None and self.adapters.num_free == 0:
-                break  # the head waits; later requests do not jump it (no starvation)
-            shared = self._match_prefix(seq)
-            reserve = (self.reserve_tokens or seq.max_total_tokens
-                       if self.kv_reserve == "max" else seq.num_tokens)
-            need = blocks_for(seq, reserve, self.block_size)
-            if need > self.allocator.num_free:
-                self.allocator.free(shared)  # give the hit back: it waits for pages
-                seq.block_table, seq.page_hashes, seq.num_cached = [], [], 0
-                break
-            if shared:
-                self._count("prefill_tokens_saved", seq.num_cached)
-                self._count("pages_saved", len(shared))
-            if self.kv_reserve == "max":
-                self._take_pages(seq, reserve)
-            self.waiting.popleft()
-            seq.row = self.rows.take()
-            if seq.adapter is not None:
-                seq.adapter_slot = self.adapters.take()
-            seq.status = Status.RUNNING
-            seq.decoding, seq.pending = False, 0
-            ids = [s.request_id for s in self.running]
-            self.running.insert(bisect.bisect(ids, seq.request_id), seq)
+    def _admit_one(self) -> Sequence | None:
+        """Move the head of the queue to running if its resources are free (FCFS), or None."""
+        if not self.waiting or len(self.running) >= self.max_running or not self.rows.num_free:
+            return None
+        seq = self.waiting[0]
+        if seq.adapter is not None and self.adapters.num_free == 0:
+            return None  # the head waits; later requests do not jump it (no starvation)
+        shared = self._match_prefix(seq)
+        reserve = (self.reserve_tokens or seq.max_total_tokens
+                   if self.kv_reserve == "max" else seq.num_tokens)
+        if blocks_for(seq, reserve, self.block_size) > self.allocator.num_free:
+            self.allocator.free(shared)  # give the hit back: it waits for pages
+            seq.block_table, seq.page_hashes, seq.num_cached = [], [], 0
+            return None
+        if shared:
+            self._count("prefill_tokens_saved", seq.num_cached)
+            self._count("pages_saved", len(shared))
+        if self.kv_reserve == "max":
+            self._take_pages(seq, reserve)
+        self.waiting.popleft()
+        seq.row = self.rows.take()
+        if seq.adapter is not None:
+            seq.adapter_slot = self.adapters.take()
+        seq.status = Status.RUNNING
+        seq.decoding, seq.pending = False, 0
+        ids = [s.request_id for s in self.running]
+        self.running.insert(bisect.bisect(ids, seq.request_id), seq)
+        return seq
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Share cached full pages of the sequence's context (prompt, plus outputs after a
