@@ -45,6 +45,11 @@ def _generate_parser() -> argparse.ArgumentParser:
                    help="the decode loop")
     p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
                    help="attention backend (labkit.attention.BACKENDS)")
+    p.add_argument("--max-step-tokens", type=int, default=512,
+                   help="tokens per launch: decode rows plus prefill chunks (default 512)")
+    p.add_argument("--kv-tokens", type=int, default=16384,
+                   help="KV pool size in tokens; a small pool forces preemption")
+    p.add_argument("--batching", choices=("continuous", "static"), default="continuous")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per request on stdout, in input order")
     return p
@@ -123,13 +128,19 @@ def _generate(args) -> int:
                 top_k=r["top_k"], top_p=r["top_p"], seed=r["seed"]))
         except (ValueError, TypeError) as err:
             raise UsageError(f"{r['where']}: {err}") from None
+    for flag, value in (("--max-step-tokens", args.max_step_tokens),
+                        ("--kv-tokens", args.kv_tokens)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
     import labkit
     from labkit.constraints_json import parse_constraint
     from labkit.scheduler import RequestError
 
     t0 = time.perf_counter()
     try:
-        engine = labkit.get_engine(args.model, attention=args.attention)
+        engine = labkit.get_engine(args.model, attention=args.attention,
+                                   max_step_tokens=args.max_step_tokens,
+                                   kv_tokens=args.kv_tokens, batching=args.batching)
     except (ValueError, RuntimeError, OSError) as err:
         raise UsageError(str(err)) from None
     load_s = time.perf_counter() - t0

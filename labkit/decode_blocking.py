@@ -1,7 +1,8 @@
 """The blocking decode loop: every step waits for its tokens before the next one starts.
 
-Each iteration: admit new requests and prefill them, then one decode step for every live
-sequence, each launch going plan -> launch -> sample -> copy -> wait -> commit. While the host
+Each iteration plans one launch (decode rows of every running sequence plus prefill chunks of
+admitted ones, under the step's token budget), then takes it plan -> launch -> sample -> copy
+-> wait -> commit. While the host
 waits, then commits (reads tokens, detokenizes, checks stop conditions, plans the next step),
 the device has nothing queued: that idle gap is the GPU bubble that `decode_pipelined` removes.
 """
@@ -27,14 +28,9 @@ def run_blocking(engine: Engine, max_steps: int | None = None) -> None:
         engine.between_steps()
         if sched.idle():
             return
-        admitted = sched.admit()
-        if admitted:
-            step_blocking(engine, engine.plan_prefill(admitted))
-            launched += 1
-        live = sched.live()
-        if live:
-            step_blocking(engine, engine.plan_decode(live))
-            launched += 1
-        elif not admitted and sched.waiting and not sched.running:
+        launch = engine.plan_step()
+        if launch is None:  # nothing is in flight here, so nothing would ever change
             raise RuntimeError("scheduler stuck: requests wait but nothing runs "
                                "(a request larger than the pool was not refused at submit)")
+        step_blocking(engine, launch)
+        launched += 1

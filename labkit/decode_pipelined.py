@@ -14,27 +14,18 @@ While the host commits t, the device computes t+1: the bubble is filled. Two dec
 of step t. A sequence that ends at commit t is already in step t+1: a *zombie*. Its row there is
 skipped at commit, and its KV pages, device row and adapter slot return only when no launched
 step references it (`finalized and inflight_refs == 0`, see labkit/sequence.py). Prefill of
-newly admitted requests is one more launch in the same pipeline, overlapping a commit too.
+newly admitted requests rides in the same launches (mixed steps), chunk by chunk.
+
+Step t+1 is planned before commit t, so a sequence whose row in step t emits a token is one
+token further on than its `output_ids` say: the scheduler counts it in `seq.pending`, and its
+row in step t+1 reads that token on the device. The pages step t+1 writes, that pending
+position included, are allocated when it is planned.
 """
 
 from __future__ import annotations
 
 from labkit.device import NUM_SLOTS
 from labkit.engine import Engine, Launch
-
-
-def plan_next(engine: Engine, prev: Launch | None) -> Launch | None:
-    """Step t+1: prefill whoever can be admitted, else decode every unfinished sequence."""
-    sched = engine.scheduler
-    admitted = sched.admit()
-    if admitted:
-        return engine.plan_prefill(admitted)
-    live = sched.live()
-    if not live:
-        return None
-    # sequences in the uncommitted step t are one token further on than their output_ids say
-    pending = set(map(id, prev.seqs)) if prev is not None else set()
-    return engine.plan_decode(live, pending=[1 if id(s) in pending else 0 for s in live])
 
 
 def run_pipelined(engine: Engine, max_steps: int | None = None) -> None:
@@ -53,7 +44,7 @@ def run_pipelined(engine: Engine, max_steps: int | None = None) -> None:
         more = max_steps is None or launched < max_steps
         if prev is None and (sched.idle() or not more):
             return
-        nxt = plan_next(engine, prev) if more else None
+        nxt = engine.plan_step() if more else None
         if nxt is not None:  # 1. launch t+1
             launched += 1
             slot = 1 - prev.slot if prev is not None else slot
@@ -68,6 +59,6 @@ def run_pipelined(engine: Engine, max_steps: int | None = None) -> None:
             occupant[prev.slot] = None
         if nxt is not None:  # 3. finish sampling t+1 with masks from commit t's state
             engine.finish_sampling(nxt)
-        elif prev is None and sched.waiting:
+        elif prev is None and not sched.idle():
             raise RuntimeError("scheduler stuck: requests wait but nothing runs")
         prev = nxt

@@ -45,7 +45,7 @@ class DecodeGraphs:
 
     def __init__(self, runner: ModelRunner, stream: torch.cuda.Stream):
         self.runner, self.stream = runner, stream
-        self.scratch_page = runner.cache.num_blocks - 1  # reserved by CudaDevice
+        self.scratch_page = runner.scratch_page  # owned by no sequence
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.pool = None
 
@@ -116,8 +116,8 @@ class CudaDevice(Device):
         dev = torch.device("cuda")
         self.name = torch.cuda.get_device_name(dev)
         model = copy.deepcopy(model).to(dev)  # the caller's CPU model stays as it was
-        # one extra page: the scratch page padded graph rows write into
-        self.runner = ModelRunner(model, num_blocks + 1, block_size, max_seqs, cache, dev,
+        # the runner adds the scratch page padded graph rows write into
+        self.runner = ModelRunner(model, num_blocks, block_size, max_seqs, cache, dev,
                                   attention)
         self.compute = torch.cuda.Stream(dev)
         self.copy = torch.cuda.Stream(dev)

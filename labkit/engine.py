@@ -3,13 +3,16 @@
 An `Engine` holds one model on one device with its scheduler and tokenizer. The decoders
 (`decode_blocking`, `decode_pipelined`) are loops over the same pieces defined here:
 
-- `plan_prefill(seqs)` / `plan_decode(seqs, pending)`: what the next launch computes;
+- `plan_step()`: what the next launch computes: the scheduler's rows (decode rows of running
+  sequences, prefill chunks of admitted ones, under the step's token budget) as a `StepPlan`;
 - `launch(launch, slot)`: count the step in each sequence's `inflight_refs`, hand its forward
   to the device into decode slot `slot`;
 - `finish_sampling(launch)`: masks from each sequence's constraint state *now* (`allowed`),
   sample on the device, start the copy of the tokens to the host;
 - `wait_tokens(launch)`: the host waits for that copy;
-- `commit(launch, tokens)`: append tokens, detokenize, check stop conditions, release.
+- `commit(launch, tokens)`: append the tokens of rows that emit one, detokenize, check stop
+  conditions, release. Rows of finished sequences (zombies), non-final prefill chunks (silent
+  rows) and static batching's padding rows are skipped and counted in `engine.stats`.
 
 The engine does not choose a decoder: `labkit.decoders.run(engine, "pipelined")` does, one
 layer up, and `labkit.generate(...)` is the one-call front door.
@@ -26,9 +29,9 @@ import torch
 
 from labkit.device import Device, InProcessDevice, ProcessDevice
 from labkit.paged_kv import BlockAllocator
-from labkit.runner import ModelRunner, StepPlan, max_seq_len
+from labkit.runner import ModelRunner, StepPlan, contiguous_row_len, max_seq_len
 from labkit.sampling import SamplingParams
-from labkit.scheduler import RequestError, Scheduler
+from labkit.scheduler import RequestError, Row, Scheduler
 from labkit.sequence import FinishReason, Sequence, commit_row
 
 TextCallback = Callable[[int, str], None]  # (request index, newly decoded text)
@@ -48,20 +51,63 @@ class Completion:
     token_times_s: list[float]  # arrival to each token
 
     @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (nan with fewer than 2 tokens)."""
+        t = self.token_times_s
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) >= 2 else float("nan")
+
+    @property
+    def e2e_s(self) -> float:
+        """Arrival to last token (nan if it never got one)."""
+        return self.token_times_s[-1] if self.token_times_s else float("nan")
+
+    @property
     def inter_token_s(self) -> list[float]:
         """Gaps between consecutive tokens."""
         t = self.token_times_s
         return [b - a for a, b in zip(t, t[1:])]
 
 
+STEP_TOKENS_KEPT = 10_000  # EngineStats.step_tokens keeps the latest launches only
+
+
+@dataclass
+class EngineStats:
+    """What the engine did, cumulative since it was made or last `reset()`."""
+
+    steps: int = 0  # launches
+    decode_rows: int = 0  # decode rows launched (one token each, fed back on the device)
+    prefill_tokens: int = 0  # prompt (or recomputed) tokens computed, chunks included
+    prefill_tokens_saved: int = 0  # prompt tokens served from shared prefix pages
+    pages_saved: int = 0  # page allocations avoided by prefix sharing
+    preemptions: int = 0  # sequences preempted (their context recomputed later)
+    zombie_rows: int = 0  # rows skipped at commit because their sequence had finished
+    silent_rows: int = 0  # non-final prefill chunk rows (their sampled token discarded)
+    padding_rows: int = 0  # static batching: rows of finished members kept as padding
+    peak_pages_used: int = 0  # most KV pages held at once
+    peak_running: int = 0  # most sequences running (admitted, unfinished) at once
+    step_tokens: list[int] = field(default_factory=list)  # tokens of each launch (latest 10k)
+
+    def reset(self) -> None:
+        """Start counting again from zero."""
+        fresh = EngineStats()
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(fresh, name))
+
+
 @dataclass
 class Launch:
-    """A launched step: its plan and the sequences of its rows (host side only)."""
+    """A launched step: its plan and the scheduler's rows (host side only)."""
 
     plan: StepPlan
-    seqs: list[Sequence]
+    rows: list[Row]
     slot: int = 0
     launched_s: float = field(default_factory=time.perf_counter)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """The sequence of each row."""
+        return [r.seq for r in self.rows]
 
 
 def make_device(kind: str, model, num_blocks: int, block_size: int, max_seqs: int,
@@ -85,27 +131,46 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, kv_tokens: int = 16384, block_size: int = 16,
                  max_seqs: int = 64, cache: str = "paged", num_adapter_slots: int = 4,
-                 device: str = "inprocess", attention: str | None = None):
+                 device: str = "inprocess", attention: str | None = None,
+                 max_step_tokens: int | None = 512,
+                 batching: str = "continuous", kv_reserve: str = "on_demand",
+                 prefix_caching: bool = True):
         # attention: "naive", "paged" or "flash" (labkit.attention.BACKENDS); None picks the
         # cache's own ("paged" for the paged pool, "naive" for the contiguous slabs)
         num_blocks = max(1, kv_tokens // block_size)
         self.model, self.tokenizer = model, tokenizer
+        self.stats = EngineStats()
+        contiguous = cache == "contiguous"  # one max-length slab per sequence: reserve it all
+        scheduler = Scheduler(
+            BlockAllocator(num_blocks), block_size, max_seqs,
+            max_seq_len(model.cfg, cache, num_blocks, block_size, max_seqs), num_adapter_slots,
+            max_step_tokens=max_step_tokens, batching=batching,
+            kv_reserve="max" if contiguous else kv_reserve,
+            prefix_caching=prefix_caching and not contiguous,
+            reserve_tokens=contiguous_row_len(num_blocks, block_size, max_seqs)
+            if contiguous else None, stats=self.stats)  # checks its settings before the device
         self.device: Device = make_device(device, model, num_blocks, block_size, max_seqs, cache,
                                           attention)
-        self.scheduler = Scheduler(BlockAllocator(num_blocks), block_size, max_seqs,
-                                   max_seq_len(model.cfg, cache, num_blocks, block_size,
-                                               max_seqs), num_adapter_slots)
+        self.scheduler = scheduler
         self.eos_id = tokenizer.eos_id if tokenizer is not None else None
         self.seqs: dict[int, Sequence] = {}
         self._next_id = 0
-        self.zombie_rows = 0  # rows skipped at commit because their sequence had finished
-        self.decode_rows = 0  # rows launched in decode steps
         # what-if knob for the cost model: extra pure-Python host work in every commit (s)
         self.extra_host_work_s = 0.0
-        self.steps = 0
+        self.steps = 0  # launches so far (never reset: it numbers the steps)
         self.on_text: TextCallback | None = None
         self.on_step: Callable[[Engine], None] | None = None  # called between steps
         self.timeline = None  # a labkit.timeline.Timeline while one is recording
+
+    @property
+    def zombie_rows(self) -> int:
+        """Rows skipped at commit because their sequence had finished (`stats.zombie_rows`)."""
+        return self.stats.zombie_rows
+
+    @property
+    def decode_rows(self) -> int:
+        """Decode rows launched (`stats.decode_rows`)."""
+        return self.stats.decode_rows
 
     @functools.cached_property
     def vocab(self):
@@ -159,48 +224,59 @@ class Engine:
 
     # -- the step pieces -----------------------------------------------------------------------
 
-    def plan_prefill(self, seqs: list[Sequence]) -> Launch:
-        """A launch that runs the whole prompt of each newly admitted sequence."""
+    def plan_step(self) -> Launch | None:
+        """The next launch: the scheduler's rows as one StepPlan (None if nothing can run)."""
         t0 = time.perf_counter()
-        plan = StepPlan(self.steps, "prefill", [s.row for s in seqs],
-                        [len(s.prompt_ids) for s in seqs], [0] * len(seqs),
-                        [s.block_table for s in seqs],
-                        [t for s in seqs for t in s.prompt_ids], [s.params for s in seqs])
-        launch = Launch(plan, seqs)
-        self._span("plan", launch, t0)
-        return launch
-
-    def plan_decode(self, seqs: list[Sequence], pending: list[int] | None = None) -> Launch:
-        """A launch that feeds each sequence its last token (read on the device).
-
-        `pending[i]`: launched steps of sequence i whose tokens are not committed yet (always
-        0 in the blocking loop; 0 or 1 in the pipelined one): they advance its position too.
-        """
-        t0 = time.perf_counter()
-        pending = pending or [0] * len(seqs)
-        starts = [s.num_tokens - 1 + p for s, p in zip(seqs, pending)]
-        plan = StepPlan(self.steps, "decode", [s.row for s in seqs], [1] * len(seqs), starts,
-                        [s.block_table for s in seqs], None, [s.params for s in seqs])
-        launch = Launch(plan, seqs)
+        sched = self.scheduler
+        rows = sched.schedule()
+        if not rows:
+            return None
+        tokens: list[int] = []
+        for r in rows:
+            if r.from_device:
+                tokens.append(0)  # the device fills it in from last_tokens
+            elif r.pad:
+                tokens.append(0)  # anything: a padding row's token is never used
+            else:
+                tokens.extend(r.seq.context[r.start:r.start + r.n])
+        devs = [r.from_device for r in rows]
+        kind = "decode" if all(devs) else "prefill" if not any(devs) else "mixed"
+        scratch = [sched.allocator.num_blocks]  # the runner's scratch page: padding writes it
+        plan = StepPlan(self.steps, kind, [r.seq.row for r in rows], [r.n for r in rows],
+                        [r.start for r in rows],
+                        [scratch if r.pad else r.seq.block_table for r in rows],
+                        None if kind == "decode" else tokens, [r.seq.params for r in rows],
+                        devs if kind == "mixed" else None)
+        launch = Launch(plan, rows)
         self._span("plan", launch, t0)
         return launch
 
     def launch(self, launch: Launch, slot: int) -> None:
         """Hand a step to the device; every sequence in it gains an in-flight reference."""
-        alloc, bs, plan = self.scheduler.allocator, self.scheduler.block_size, launch.plan
-        for s, start, n in zip(launch.seqs, plan.starts, plan.query_lens):
+        sched, plan, st = self.scheduler, launch.plan, self.stats
+        alloc, bs = sched.allocator, sched.block_size
+        for r in launch.rows:
+            s = r.seq
             assert not s.released, f"request {s.request_id} launched after release"
-            # the pages this step writes must be owned: a free page may already be someone's
-            alloc.check_writable(s.block_table[start // bs:(start + n - 1) // bs + 1])
+            if not r.pad:  # the pages this step writes must be owned (and, when planned, by
+                # it alone: the scheduler checked; a later row may share a page it fills)
+                alloc.check_writable(s.block_table[r.start // bs:(r.start + r.n - 1) // bs + 1],
+                                     shared_ok=True)
         for s in launch.seqs:  # checked first, so a refused launch changes nothing
             s.inflight_refs += 1
         launch.slot = slot
         launch.launched_s = time.perf_counter()
-        self.device.launch_forward(slot, launch.plan)
+        self.device.launch_forward(slot, plan)
         self.steps += 1
-        if launch.plan.kind == "decode":
-            self.decode_rows += launch.plan.batch_size
-        self._span(launch.plan.kind, launch, launch.launched_s)  # "prefill" or "decode" launch
+        st.steps += 1
+        st.decode_rows += sum(r.from_device for r in launch.rows)
+        st.prefill_tokens += sum(r.n for r in launch.rows if not r.from_device and not r.pad)
+        st.step_tokens.append(plan.num_tokens)
+        if len(st.step_tokens) > 2 * STEP_TOKENS_KEPT:
+            del st.step_tokens[:-STEP_TOKENS_KEPT]
+        st.peak_pages_used = max(st.peak_pages_used, alloc.num_used)
+        st.peak_running = max(st.peak_running, len(sched.live()))
+        self._span(plan.kind, launch, launch.launched_s)  # "prefill", "decode" or "mixed"
 
     def wait_tokens(self, launch: Launch) -> list[int]:
         """Block until the launch's tokens are in its slot's host buffer; return them."""
@@ -216,8 +292,9 @@ class Engine:
     def allowed(self, launch: Launch) -> dict[int, torch.Tensor] | None:
         """Masks for constrained rows, from each sequence's constraint state now."""
         masks = {}
-        for i, s in enumerate(launch.seqs):
-            if s.constraint is not None and not s.finalized:
+        for i, r in enumerate(launch.rows):
+            s = r.seq
+            if r.emits and s.constraint is not None and not s.finalized:
                 masks[i] = s.constraint.mask(s.constraint_state)
         return masks or None
 
@@ -233,9 +310,22 @@ class Engine:
         now = t0 = time.perf_counter()
         sched = self.scheduler
         sched.step = launch.plan.step  # finish and release times are this step's commit
-        for seq, tok in zip(launch.seqs, tokens):
+        st = self.stats
+        for row, tok in zip(launch.rows, tokens):
+            seq = row.seq
+            if row.emits:
+                seq.pending -= 1
+            if row.pad or not (row.emits or seq.finalized):
+                # padding, or an earlier chunk of a prompt: nothing to append
+                seq.inflight_refs -= 1
+                if row.pad:
+                    st.padding_rows += 1
+                else:
+                    st.silent_rows += 1
+                sched.release_if_done(seq)
+                continue
             if not commit_row(seq, tok):  # a zombie: finished at an earlier commit
-                self.zombie_rows += 1
+                st.zombie_rows += 1
                 sched.release_if_done(seq)
                 continue
             seq.token_times_s.append(now - seq.arrival_s)
@@ -304,5 +394,6 @@ class Engine:
         assert sched.idle(), f"{len(sched.running)} running, {len(sched.waiting)} waiting"
         a = sched.allocator
         assert a.num_free == a.num_blocks, f"{a.num_blocks - a.num_free} KV pages still held"
+        assert all(a.refcount(p) == 0 for p in range(a.num_blocks)), "a KV page has owners"
         assert sched.rows.num_free == sched.rows.size, "device rows still held"
         assert sched.adapters.num_free == sched.adapters.size, "adapter slots still held"

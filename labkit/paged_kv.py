@@ -15,6 +15,7 @@ so the same attention code runs on both.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -27,62 +28,109 @@ class KVPoolExhausted(RuntimeError):
 
 
 class BlockAllocator:
-    """Owns page ids: a free list and a reference count per page."""
+    """Owns page ids: a free list, a reference count per page, and cached pages kept for reuse.
+
+    A page is *free* (refcount 0, on the free list), *owned* (refcount >= 1; more than one
+    owner means it is shared, hence read-only), or *cached* (refcount 0 but its KV kept because
+    a prefix cache may hand it out again; evicted least recently used when the free list is
+    empty). Cached pages count as free: `num_free` is what `allocate` can hand out now.
+    """
 
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
             raise ValueError(f"a KV pool needs at least one page, got num_blocks={num_blocks}")
         self.num_blocks = num_blocks
-        self.refcount = [0] * num_blocks
+        self._refs = [0] * num_blocks
         # pop() takes from the end: hand out low page ids first, which reads better in demos
         self._free = list(range(num_blocks - 1, -1, -1))
-        # an optional hook the pipelined decoder's tests use to prove no page is freed while a
-        # launched step still references its sequence
+        self._cached: OrderedDict[int, None] = OrderedDict()  # refcount 0, KV kept; LRU first
+        self._keep: set[int] = set()  # pages whose KV a prefix cache may hand out again
+        # hooks: `on_free(page)` when a page's last reference goes (tests prove no page is
+        # freed while a launched step references it); `on_evict(page)` when a cached page is
+        # taken for someone else (the prefix cache forgets it)
         self.on_free: Callable[[int], None] | None = None
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
-        """Pages not owned by anybody."""
-        return len(self._free)
+        """Pages `allocate` can hand out now (free, or cached and evictable)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        """Pages owned by at least one sequence."""
+        return self.num_blocks - self.num_free
+
+    def refcount(self, page: int) -> int:
+        """Owners of `page` (0: free or cached)."""
+        return self._refs[page]
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free pages (refcount 1 each), or raise KVPoolExhausted taking nothing."""
+        """Take `n` pages (refcount 1 each), or raise KVPoolExhausted taking nothing."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > len(self._free):
-            raise KVPoolExhausted(f"asked for {n} KV pages, {len(self._free)} of "
+        if n > self.num_free:
+            raise KVPoolExhausted(f"asked for {n} KV pages, {self.num_free} of "
                                   f"{self.num_blocks} are free")
-        pages = [self._free.pop() for _ in range(n)]
-        for p in pages:
-            self.refcount[p] = 1
+        pages = []
+        for _ in range(n):
+            if self._free:
+                p = self._free.pop()
+            else:  # evict the least recently used cached page: its KV is forgotten
+                p, _ = self._cached.popitem(last=False)
+                self._keep.discard(p)
+                if self.on_evict is not None:
+                    self.on_evict(p)
+            self._refs[p] = 1
+            pages.append(p)
         return pages
 
+    def keep(self, page: int) -> None:
+        """Mark an owned page's KV as reusable: at refcount 0 it is cached, not freed."""
+        self._check_live(page, "kept")
+        self._keep.add(page)
+
     def share(self, pages: Sequence[int]) -> None:
-        """Add a reference to pages already owned (prefix sharing, forks)."""
+        """Add a reference to pages already owned or cached (prefix sharing, forks)."""
         for p in pages:
-            self._check_live(p, "shared")
-            self.refcount[p] += 1
+            if self._refs[p] == 0 and p in self._cached:  # a cache hit revives the page
+                del self._cached[p]
+            else:
+                self._check_live(p, "shared")
+            self._refs[p] += 1
 
     def free(self, pages: Sequence[int]) -> None:
-        """Drop one reference to each page; a page returns to the free list at zero."""
+        """Drop one reference to each page; at zero it returns to the pool (cached if kept)."""
         for p in pages:
             self._check_live(p, "freed")
-            if self.on_free is not None:
-                self.on_free(p)
-            self.refcount[p] -= 1
-            if self.refcount[p] == 0:
-                self._free.append(p)
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                if self.on_free is not None:
+                    self.on_free(p)
+                if p in self._keep:
+                    self._cached[p] = None  # most recently used last
+                else:
+                    self._free.append(p)
 
-    def check_writable(self, pages: Sequence[int]) -> None:
-        """Raise if any page is free: writing it would corrupt whoever gets it next."""
+    def check_writable(self, pages: Sequence[int], shared_ok: bool = False) -> None:
+        """Raise if a page is free (writing corrupts its next owner) or shared (read-only).
+
+        `shared_ok`: only the first check. A launch may write a page that a later row of the
+        same launch shares (the device writes each layer's KV before any row reads it); the
+        scheduler checks each row against sharing when it plans it, before anyone shares.
+        """
         for p in pages:
             self._check_live(p, "written")
+            if self._refs[p] > 1 and not shared_ok:
+                raise RuntimeError(f"KV page {p} written while shared (refcount "
+                                   f"{self._refs[p]}): copy-on-write must give the writer a "
+                                   "private page first")
 
     def _check_live(self, page: int, action: str) -> None:
         if not 0 <= page < self.num_blocks:
             raise IndexError(f"KV page {page} {action}, but the pool has pages "
                              f"0..{self.num_blocks - 1}")
-        if self.refcount[page] == 0:
+        if self._refs[page] == 0:
             raise RuntimeError(f"KV page {page} {action} while free (double free, or a "
                                "use after free: check who still holds this block table)")
 

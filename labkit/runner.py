@@ -34,27 +34,40 @@ def contiguous_row_len(num_blocks: int, block_size: int, max_seqs: int) -> int:
 
 @dataclass
 class StepPlan:
-    """What one launch computes, in plain lists (cheap to build, to pickle, to print)."""
+    """What one launch computes, in plain lists (cheap to build, to pickle, to print).
+
+    A row is one sequence's slice: a prefill chunk (its tokens sent in `tokens`) or a decode
+    row (one token, read on the device from `last_tokens[row]`, marked in `from_device`). A
+    launch of decode rows only is "decode", of chunks only "prefill", of both "mixed".
+    """
 
     step: int
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "mixed"
     rows: list[int]  # device row of each sequence in the batch
     query_lens: list[int]  # new tokens per sequence (1 for decode)
     starts: list[int]  # tokens already cached per sequence
     block_tables: list[list[int]]
-    tokens: list[int] | None  # prefill: the packed new tokens; decode: None (from last_tokens)
+    tokens: list[int] | None  # the packed new tokens (0 where read on the device); decode: None
     params: list[SamplingParams]
+    from_device: list[bool] | None = None  # mixed: rows whose input is the last sampled token
 
     def __post_init__(self) -> None:
         n = len(self.rows)
         assert n and len(self.query_lens) == len(self.starts) == len(self.block_tables) == n
-        assert self.kind in ("prefill", "decode"), self.kind
-        assert self.kind == "prefill" or self.tokens is None, "decode reads last_tokens"
+        assert self.kind in ("prefill", "decode", "mixed"), self.kind
+        assert (self.kind == "decode") == (self.tokens is None), "decode reads last_tokens"
+        assert self.kind != "mixed" or (self.from_device is not None
+                                        and len(self.from_device) == n)
 
     @property
     def batch_size(self) -> int:
         """Sequences in the step."""
         return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the step computes (its share of the step's token budget)."""
+        return sum(self.query_lens)
 
     @property
     def counters(self) -> list[int]:
@@ -73,7 +86,10 @@ class ModelRunner:
         self.device = torch.device(device)
         dtype = next(model.parameters()).dtype
         if cache == "paged":
-            self.cache = PagedKVCache(cfg, num_blocks, block_size, dtype, self.device)
+            # one page more than the scheduler hands out: the scratch page that padding rows
+            # (and a CUDA graph's padded rows) write into, which no sequence ever owns
+            self.scratch_page = num_blocks
+            self.cache = PagedKVCache(cfg, num_blocks + 1, block_size, dtype, self.device)
         elif cache == "contiguous":
             # the same memory as the paged pool, cut into one fixed slab per row: the layout
             # paging replaces (every row reserves the longest sequence it might hold)
@@ -113,10 +129,19 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run the step's forward; logits of each sequence's last new token: [B, V]."""
         meta = self._meta(plan)
-        if plan.tokens is not None:
-            input_ids = self.to_device(plan.tokens)  # [T]
-        else:
+        if plan.tokens is None:
             input_ids = self.last_tokens[self.to_device(plan.rows)]  # [B] read on the device
+        else:
+            input_ids = self.to_device(plan.tokens)  # [T]
+            if plan.kind == "mixed":  # decode rows: their token is on the device already
+                packed, rows, first = [], [], 0
+                for row, q, dev in zip(plan.rows, plan.query_lens, plan.from_device):
+                    if dev:
+                        packed.append(first)
+                        rows.append(row)
+                    first += q
+                if rows:
+                    input_ids[self.to_device(packed)] = self.last_tokens[self.to_device(rows)]
         self.backend.begin_step(meta)
         return self.model(input_ids, meta.positions, self.backend, logit_rows=meta.last_rows)
 

@@ -1,22 +1,40 @@
-"""Who runs next: admission under a KV budget, continuous batching, and resource release.
+"""Who runs next: mixed steps under a token budget, pages on demand, preemption.
 
-The scheduler decides; it owns no tensors. A request is *admitted* (moved from waiting to
-running) only when everything it could ever need is free: KV pages for its prompt plus its
-maximum output (plus the one extra "zombie" row a pipelined decoder may run), a device row, and
-an adapter slot if it asked for one. Reserving up front means a running request can never hit
-a full pool halfway through; a request that could not fit even in an empty pool is refused at
-once with a clear error instead of waiting forever. Admission is first come, first served.
+The scheduler decides; it owns no tensors. Each launch is a list of `Row`s, one per sequence:
+a *decode row* (one token, read back on the device) or a *prefill chunk* (prompt tokens, sent
+from the host). `schedule()` plans one launch:
 
-Continuous batching falls out of calling `admit()` between steps: finished sequences leave,
-waiting ones join, and the batch never waits for its slowest member.
+1. **Decode rows first**, for every running sequence whose context is computed: they are what
+   the inter-token latency measures, so arrivals never stall them.
+2. **Admission**: waiting requests join (first come, first served) while a device row, an
+   adapter slot and the pages of their prompt are free. `batching="static"` admits a batch
+   only when the last one has entirely left; its finished members stay as padding rows (as
+   transformers' `generate` pads finished rows) until every member has finished.
+3. **Prefill chunks** in arrival order, until the step's token budget is spent. A chunk's row
+   emits a token only if it ends the sequence's known context; an earlier chunk is *silent*.
+
+**Plan allocates, commit appends, release frees.** The pages a row writes are allocated when
+it is planned (`kv_reserve="on_demand"`), so a launched step never finds its page missing;
+`kv_reserve="max"` reserves prompt + max_new_tokens pages at admission instead (the policy
+paging replaces). When a row that must run cannot get a page, the latest arrival is
+*preempted*: it stops being planned, its pages return when no launched step references it
+(`inflight_refs == 0`), and it waits with prompt + outputs to be prefilled again (recompute).
+Sampling is keyed by (request seed, token index), so its tokens are the same as if it had never
+been preempted. A request that could never fit the pool is refused at submit.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
+from dataclasses import dataclass
 
 from labkit.paged_kv import BlockAllocator, blocks_needed
+from labkit.prefix_cache import PrefixCache
 from labkit.sequence import FinishReason, Sequence, Status
+
+BATCHING = ("continuous", "static")
+KV_RESERVE = ("on_demand", "max")
 
 
 class RequestError(ValueError):
@@ -50,18 +68,60 @@ class SlotPool:
         self._free.append(slot)
 
 
+@dataclass
+class Row:
+    """One sequence's slice of a launch."""
+
+    seq: Sequence
+    start: int  # positions of the sequence already computed before this row
+    n: int  # tokens this row computes (1 for a decode row)
+    emits: bool  # it ends the known context: its sampled token is the sequence's next one
+    from_device: bool  # its one input token is the last one sampled, read on the device
+    pad: bool = False  # static batching: a finished member kept in the batch as padding
+
+
+def blocks_for(seq: Sequence, upto: int, block_size: int) -> int:
+    """New pages `seq` needs so that its block table covers positions 0..upto-1."""
+    return max(0, blocks_needed(upto, block_size) - len(seq.block_table))
+
+
 class Scheduler:
-    """Waiting queue, running set, and the pools they draw from."""
+    """Admission, mixed steps, pages on demand, preemption and release for one engine."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_seqs: int,
-                 context_len: int, num_adapter_slots: int = 4):
+                 context_len: int, num_adapter_slots: int = 4, *,
+                 max_step_tokens: int | None = None, batching: str = "continuous",
+                 kv_reserve: str = "on_demand", prefix_caching: bool = False,
+                 reserve_tokens: int | None = None, stats=None):
+        if max_step_tokens is not None and (isinstance(max_step_tokens, bool) or not isinstance(
+                max_step_tokens, int) or max_step_tokens < 1):
+            raise ValueError(f"max_step_tokens must be None (no budget) or an integer >= 1, "
+                             f"got {max_step_tokens!r}")
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+        if kv_reserve not in KV_RESERVE:
+            raise ValueError(f"kv_reserve must be one of {KV_RESERVE}, got {kv_reserve!r}")
         self.allocator, self.block_size = allocator, block_size
         self.context_len = context_len
+        self.max_step_tokens, self.batching, self.kv_reserve = (max_step_tokens, batching,
+                                                                kv_reserve)
+        # a contiguous cache reserves a whole row's slab per sequence, whatever it asks for
+        self.reserve_tokens = reserve_tokens
+        self.prefix = PrefixCache(allocator, block_size) if prefix_caching else None
+        # decode rows must always fit the budget: at most that many sequences run at once
+        self.max_running = min(max_seqs, max_step_tokens or max_seqs)
         self.rows = SlotPool(max_seqs, "device row")
         self.adapters = SlotPool(num_adapter_slots, "adapter slot")
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[Sequence] = deque()  # in arrival order (request id)
+        self.running: list[Sequence] = []  # in arrival order; holds resources
+        self.stats = stats  # an object with the counters below (EngineStats), or None
         self.step = 0  # the step counter, for the record of when things happened
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if self.stats is not None:
+            setattr(self.stats, name, getattr(self.stats, name) + n)
+
+    # -- requests ------------------------------------------------------------------------------
 
     def check_request(self, prompt_ids: list[int], max_new_tokens: int) -> int:
         """Validate a request; returns its max_new_tokens clipped to the context."""
@@ -85,26 +145,173 @@ class Scheduler:
         """Queue a validated sequence."""
         if seq.adapter is not None and self.adapters.size == 0:
             raise RequestError("request asks for an adapter but the engine has no adapter slots")
-        self.waiting.append(seq)
+        self._enqueue(seq)
 
-    def admit(self, max_admit: int | None = None) -> list[Sequence]:
-        """Move waiting sequences to running while their resources are free (FCFS)."""
-        admitted: list[Sequence] = []
-        while self.waiting and (max_admit is None or len(admitted) < max_admit):
-            seq = self.waiting[0]
-            pages = blocks_needed(seq.max_total_tokens, self.block_size)
-            if (pages > self.allocator.num_free or self.rows.num_free == 0
-                    or (seq.adapter is not None and self.adapters.num_free == 0)):
-                break  # the head waits; later requests do not jump it (no starvation)
-            self.waiting.popleft()
-            seq.block_table = self.allocator.allocate(pages)
-            seq.row = self.rows.take()
-            if seq.adapter is not None:
-                seq.adapter_slot = self.adapters.take()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            admitted.append(seq)
-        return admitted
+    def _enqueue(self, seq: Sequence) -> None:
+        # arrival order: a preempted sequence goes back ahead of everyone who came after it
+        ids = [s.request_id for s in self.waiting]
+        self.waiting.insert(bisect.bisect(ids, seq.request_id), seq)
+
+    # -- planning one launch -------------------------------------------------------------------
+
+    def schedule(self) -> list[Row]:
+        """Plan the next launch: decode rows, admissions, prefill chunks (see the module)."""
+        for _ in range(len(self.running) + 1):
+            rows = self._plan()
+            if rows or not self._stalled():
+                return rows
+            # nothing can run and nothing in flight will free a page: make room (rare)
+            self.preempt(max(self.live(), key=lambda s: s.request_id))
+        return []
+
+    def _plan(self) -> list[Row]:
+        budget = self.max_step_tokens or 1 << 62
+        rows: list[Row] = []
+        planned: set[int] = set()
+        batch_live = any(not s.finalized and not s.preempted for s in self.running)
+        for s in list(self.running):  # 1. decode rows (and padding), arrival order
+            if s.preempted or s.released:
+                continue
+            if s.finalized:
+                if self.batching == "static" and batch_live:
+                    rows.append(Row(s, 0, 1, False, False, pad=True))
+                    budget -= 1
+                continue
+            if not s.decoding or not self._grow(s, s.num_cached + 1, planned):
+                continue
+            rows.append(Row(s, s.num_cached, 1, True, True))
+            planned.add(s.request_id)
+            budget -= 1
+            self._written(rows[-1])
+        static = self.batching == "static"
+        if static and not self.running:  # a static batch is admitted whole, then runs until
+            while self._admit_one() is not None:  # every member has left
+                pass
+        # 2. prefill chunks in arrival order: running sequences first, then admissions (each
+        # admitted one planned before the next is matched, so it finds the pages just named)
+        prefilling = [s for s in self.running if not (
+            s.preempted or s.finalized or s.decoding or s.request_id in planned)]
+        while budget > 0:
+            if prefilling:
+                s = prefilling.pop(0)
+            elif static or (s := self._admit_one()) is None:
+                break
+            end = min(s.num_tokens, s.num_cached + budget)
+            end = min(end, self._fits(s, end))
+            if end <= s.num_cached:
+                continue  # no page for it now: it waits (decode rows free pages as they end)
+            self._take_pages(s, end)
+            n = end - s.num_cached
+            rows.append(Row(s, s.num_cached, n, end == s.num_tokens, False))
+            planned.add(s.request_id)
+            budget -= n
+            self._written(rows[-1])
+        return rows
+
+    def _written(self, r: Row) -> None:
+        """Book what a planned row computes: the launch that carries it writes its KV."""
+        s, bs = r.seq, self.block_size
+        # a row writes only pages its sequence alone owns (shared ones are read-only)
+        self.allocator.check_writable(s.block_table[r.start // bs:(r.start + r.n - 1) // bs + 1])
+        s.num_cached += r.n
+        if r.emits:
+            s.pending += 1
+            s.decoding = True
+        if not r.from_device and self.prefix is not None:  # its tokens are known: name pages
+            s.page_hashes = self.prefix.register(s.context, s.adapter or 0, s.block_table,
+                                                 s.page_hashes, s.num_cached)
+
+    def _stalled(self) -> bool:
+        """Live sequences, none planned, and no launched step will return a page."""
+        return bool(self.live()) and not any(s.inflight_refs for s in self.running)
+
+    def _fits(self, seq: Sequence, end: int) -> int:
+        """The furthest position <= end the free pages let `seq` compute up to."""
+        pages = len(seq.block_table) + self.allocator.num_free
+        return min(end, pages * self.block_size)
+
+    def _take_pages(self, seq: Sequence, end: int) -> None:
+        seq.block_table += self.allocator.allocate(blocks_for(seq, end, self.block_size))
+
+    def _grow(self, seq: Sequence, end: int, planned: set[int]) -> bool:
+        """Pages for a row that must run (a decode row), preempting the latest arrival if the
+        pool is short. False when `seq` cannot run this step (preempted itself, or waiting
+        for a preempted sequence's pages to come back from a launched step)."""
+        need = blocks_for(seq, end, self.block_size)
+        while need > self.allocator.num_free:
+            if need <= self.allocator.num_free + self._returning_pages():
+                return False  # pages come back at the next commit: skip one step
+            victim = max((s for s in self.live() if s.request_id not in planned),
+                         key=lambda s: s.request_id)
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self._take_pages(seq, end)
+        return True
+
+    def _returning_pages(self) -> int:
+        """Pages that sequences done or preempted give back once their launches commit (a
+        static batch's finished members keep theirs until the batch is over)."""
+        alloc, static = self.allocator, self.batching == "static"
+        return sum(1 for s in self.running
+                   if s.inflight_refs and (s.preempted or (s.finalized and not static))
+                   for p in s.block_table if alloc.refcount(p) == 1)
+
+    def _admit_one(self) -> Sequence | None:
+        """Move the head of the queue to running if its resources are free (FCFS), or None."""
+        if not self.waiting or len(self.running) >= self.max_running or not self.rows.num_free:
+            return None
+        seq = self.waiting[0]
+        if seq.adapter is not None and self.adapters.num_free == 0:
+            return None  # the head waits; later requests do not jump it (no starvation)
+        shared = self._match_prefix(seq)
+        reserve = (self.reserve_tokens or seq.max_total_tokens
+                   if self.kv_reserve == "max" else seq.num_tokens)
+        if blocks_for(seq, reserve, self.block_size) > self.allocator.num_free:
+            self.allocator.free(shared)  # give the hit back: it waits for pages
+            seq.block_table, seq.page_hashes, seq.num_cached = [], [], 0
+            return None
+        if shared:
+            self._count("prefill_tokens_saved", seq.num_cached)
+            self._count("pages_saved", len(shared))
+        if self.kv_reserve == "max":
+            self._take_pages(seq, reserve)
+        self.waiting.popleft()
+        seq.row = self.rows.take()
+        if seq.adapter is not None:
+            seq.adapter_slot = self.adapters.take()
+        seq.status = Status.RUNNING
+        seq.decoding, seq.pending = False, 0
+        ids = [s.request_id for s in self.running]
+        self.running.insert(bisect.bisect(ids, seq.request_id), seq)
+        return seq
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """Share cached full pages of the sequence's context (prompt, plus outputs after a
+        preemption); its last token is always computed, for its logits."""
+        if self.prefix is None:
+            return []
+        context = seq.context
+        shared = self.prefix.match(context, seq.adapter or 0)
+        if shared and len(shared) * self.block_size >= len(context):
+            # copy-on-write: the last token's row would write into this shared page, so it
+            # takes a private page and computes that page's tokens again
+            self.allocator.free(shared[-1:])
+            shared = shared[:-1]
+        seq.block_table = list(shared)
+        seq.num_cached = len(shared) * self.block_size
+        seq.page_hashes = self.prefix.chain(context[:seq.num_cached], seq.adapter or 0, [])
+        return shared
+
+    # -- leaving -------------------------------------------------------------------------------
+
+    def preempt(self, seq: Sequence) -> None:
+        """Stop planning `seq`; it returns to waiting once no launched step references it."""
+        if seq.preempted or seq.finalized:
+            return
+        seq.preempted = True
+        self._count("preemptions")
+        self.release_if_done(seq)
 
     def finalize(self, seq: Sequence, reason: FinishReason) -> None:
         """Mark a sequence over (idempotent); its resources wait for inflight_refs == 0."""
@@ -112,28 +319,54 @@ class Scheduler:
             return
         seq.finalized, seq.finish_reason = True, reason
         seq.finished_at_step = self.step
-        if seq.status is Status.WAITING:  # cancelled before admission: holds nothing
+        if seq.status is Status.WAITING:  # not admitted, or preempted and drained: holds nothing
             self.waiting.remove(seq)
             seq.status, seq.released = Status.FINISHED, True
             seq.released_at_step = self.step
         self.release_if_done(seq)
 
     def release_if_done(self, seq: Sequence) -> bool:
-        """The release rule: return pages, row and adapter slot exactly once, when safe."""
-        if not seq.can_release:
+        """The release rule: resources go back exactly once, when no launched step references
+        the sequence: for good if it is finalized, to wait again if it was preempted."""
+        if seq.released or seq.inflight_refs or seq.status is not Status.RUNNING:
             return False
+        if seq.finalized:
+            if self.batching == "static" and self._batch_live():
+                return False  # a static batch keeps its finished members until the end
+            self._give_back(seq)
+            seq.released, seq.status = True, Status.FINISHED
+            seq.released_at_step = self.step
+            if self.batching == "static" and not self._batch_live():
+                for s in list(self.running):  # the batch is over: everyone leaves
+                    self.release_if_done(s)
+            return True
+        if seq.preempted:
+            self._give_back(seq)
+            seq.block_table, seq.page_hashes = [], []
+            seq.num_cached, seq.decoding, seq.preempted = 0, False, False
+            seq.status = Status.WAITING
+            self._enqueue(seq)
+            if self.batching == "static" and not self._batch_live():
+                for s in list(self.running):
+                    self.release_if_done(s)
+            return True
+        return False
+
+    def _give_back(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
         self.rows.give_back(seq.row)
+        seq.row = None
         if seq.adapter_slot is not None:
             self.adapters.give_back(seq.adapter_slot)
-        seq.released, seq.status = True, Status.FINISHED
-        seq.released_at_step = self.step
+            seq.adapter_slot = None
         self.running.remove(seq)
-        return True
+
+    def _batch_live(self) -> bool:
+        return any(not s.finalized and not s.preempted for s in self.running)
 
     def live(self) -> list[Sequence]:
-        """Running sequences that are not finalized: the rows of the next decode step."""
-        return [s for s in self.running if not s.finalized]
+        """Running sequences still being planned (not finalized, not preempted)."""
+        return [s for s in self.running if not s.finalized and not s.preempted]
 
     def idle(self) -> bool:
         """Nothing waiting and nothing running."""

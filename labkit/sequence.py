@@ -1,8 +1,9 @@
 """A request's life: its tokens, its status, and the resources it holds.
 
-A `Sequence` is created WAITING, becomes RUNNING when the scheduler admits it (KV pages, a device
-row and possibly an adapter slot reserved), and FINISHED when a commit sees EOS, a stop token,
-the length cap, a completed constraint, or a cancel. Two fields make pipelining safe:
+A `Sequence` is created WAITING, becomes RUNNING when the scheduler admits it (a device row and
+possibly an adapter slot; KV pages as it grows), and FINISHED when a commit sees EOS, a stop
+token, the length cap, a completed constraint, or a cancel. A preempted one goes back to WAITING
+with its outputs and is prefilled again. Two fields make pipelining safe:
 
 - `finalized`: set the moment a commit decides the sequence is over; nothing is ever appended
   to it again, and its rows in steps launched before that moment are skipped ("zombies");
@@ -64,11 +65,22 @@ class Sequence:
     finished_at_step: int | None = None
     released_at_step: int | None = None
     zombie_rows: int = 0  # rows of this sequence skipped at commit because it had finished
+    # scheduling state (labkit/scheduler.py): what planned launches have computed so far
+    num_cached: int = 0  # positions whose KV a planned launch writes (or a shared page holds)
+    pending: int = 0  # planned rows that emit a token, not committed yet
+    decoding: bool = False  # its context is computed: next rows feed back its last token
+    preempted: bool = False  # out of the plan; its pages return at inflight_refs == 0
+    page_hashes: list[int] = field(default_factory=list)  # prefix-cache names of full pages
 
     @property
     def num_tokens(self) -> int:
         """Prompt plus output tokens so far."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def context(self) -> list[int]:
+        """Prompt plus output tokens so far (what a recompute prefills)."""
+        return self.prompt_ids + self.output_ids
 
     @property
     def max_total_tokens(self) -> int:

@@ -1,7 +1,7 @@
 """Seeing the bubble: spans of every step on three lanes, a Gantt plot, the bubble fraction.
 
-Lanes: `host` (plan, the prefill/decode launch, wait, commit, and the sample-and-copy launch,
-as measured by the decoder),
+Lanes: `host` (plan, the prefill/decode/mixed launch, wait, commit, and the sample-and-copy
+launch, as measured by the decoder),
 `compute` (the device's forwards and samples) and `copy` (device-to-host copies). Device spans
 come from the device itself: the simulated accelerator process records them in shared memory,
 a GPU from CUDA events. The *bubble fraction* is the share of the run's wall time in which the
@@ -116,6 +116,7 @@ class Timeline:
         lanes = ["copy", "compute", "host"]
         colors = {"forward": "tab:blue", "sample": "tab:cyan", "copy": "tab:purple",
                   "plan": "gold", "decode": "tab:orange", "prefill": "darkorange",
+                  "mixed": "chocolate",
                   "commit": "tab:red", "wait": "lightgray"}
         for s in spans:
             y = lanes.index(s.lane)

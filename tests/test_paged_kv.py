@@ -18,7 +18,7 @@ def test_allocate_and_free_round_trip():
     pages = a.allocate(3)
     assert sorted(pages) == [0, 1, 2] and a.num_free == 1
     a.free(pages)
-    assert a.num_free == 4 and a.refcount == [0, 0, 0, 0]
+    assert a.num_free == 4 and [a.refcount(p) for p in range(4)] == [0, 0, 0, 0]
 
 
 def test_double_free_names_the_page():
@@ -76,3 +76,26 @@ def test_contiguous_rows_refuse_overflow():
     assert cache.slots(1, 0, 3) == [8, 9, 10]
     with pytest.raises(IndexError, match="position 8 does not fit"):
         cache.slots(0, 0, 9)
+
+
+def test_shared_page_is_read_only():
+    a = BlockAllocator(2)
+    (p,) = a.allocate(1)
+    a.share([p])
+    with pytest.raises(RuntimeError, match=f"KV page {p} written while shared"):
+        a.check_writable([p])
+
+
+def test_kept_page_is_cached_at_zero_refs_and_evicted_least_recently_used():
+    a = BlockAllocator(3)
+    pages = a.allocate(3)
+    evicted = []
+    a.on_evict = evicted.append
+    for p in pages[:2]:
+        a.keep(p)
+    a.free(pages)
+    assert a.num_free == 3  # cached pages count as free
+    a.share([pages[1]])  # a cache hit revives page 1
+    assert a.refcount(pages[1]) == 1 and a.num_free == 2
+    assert a.allocate(2) == [pages[2], pages[0]]  # the free page first, then evict page 0
+    assert evicted == [pages[0]]
