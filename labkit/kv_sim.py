@@ -55,6 +55,10 @@ class CowPages:
         """Pages with no reference."""
         return len(self._free)
 
+    def refcount(self, page: int) -> int:
+        """Holders of `page` (0: free)."""
+        return self.refs[page]
+
     def alloc(self) -> int:
         """A free page, refcount 1; raises MemoryError when none is free."""
         if not self._free:

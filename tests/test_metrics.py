@@ -4,8 +4,7 @@ import math
 
 import pytest
 
-from labkit.metrics import (SLO, latency_from_times, latency_percentiles, percentile,
-                            summarize)
+from labkit.metrics import SLO, latency_from_times, latency_percentiles, percentile, summarize
 
 
 def ref_percentile(xs, q):  # numpy's default: linear between the closest ranks

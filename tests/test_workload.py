@@ -8,8 +8,13 @@ import pytest
 from labkit import decoders
 from labkit.engine import Engine
 from labkit.model import LlamaModel, ModelConfig, init_random
-from labkit.workload import (OUTPUT_LENGTHS, PROMPT_LENGTHS, ArrivalFeeder, LengthDist,
-                             poisson_workload)
+from labkit.workload import (
+    OUTPUT_LENGTHS,
+    PROMPT_LENGTHS,
+    ArrivalFeeder,
+    LengthDist,
+    poisson_workload,
+)
 
 
 def test_same_seed_same_workload_and_stated_ranges():
