@@ -348,10 +348,22 @@ def attention_main(argv: list[str]) -> int:
     return int(attention_bench(argv) or 0)
 
 
+def _lazy(module: str) -> Callable[[list[str]], int]:
+    """A subcommand whose code lives in `module` (imported only when it runs)."""
+    def main_(argv: list[str]) -> int:
+        import importlib
+
+        return int(importlib.import_module(module).main(argv) or 0)
+    return main_
+
+
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (generate_main, "labkit against transformers' generate, tokens/s"),
     "decode": (decode_main, "blocking against pipelined decoding, ms per step"),
     "attention": (attention_main, "naive vs flash vs SDPA attention: time, peak memory"),
+    "serve": (_lazy("labkit.bench_serve"), "TTFT, TPOT, goodput under arrivals, by batching"),
+    "paged": (_lazy("labkit.bench_paged"), "KV cache policies at equal memory: concurrency"),
+    "step": (_lazy("labkit.bench_step"), "a decode step by phase; engine step vs bare forward"),
 }
 
 

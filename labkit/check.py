@@ -442,3 +442,243 @@ def _grade_tiled_attention(fn: Callable) -> str:
         _close(out, want, f"{what} out", 1e-5, 1e-5)
         _close(lse, want_lse, f"{what} lse", 1e-5, 1e-5)
     return "causal and not, Tq = L, Tq < L and Tq = 1, tiles that do not divide L"
+# Chapter 02: batching
+# ---------------------------------------------------------------------------------------------
+
+def _admit_variant(need: Callable[[int, int, int], int], fits: Callable[[int, int], bool],
+                   jump: bool = False) -> Callable:
+    """An admission rule built from a page count and a fit test (the reference and its bugs)."""
+    def admit(waiting, free_pages, block_size, free_slots):
+        n = 0
+        for prompt_len, max_new in waiting:
+            pages = need(prompt_len, max_new, block_size)
+            if n < free_slots and fits(pages, free_pages):
+                free_pages -= pages
+                n += 1
+            elif not jump:
+                break
+        return n
+    return admit
+
+
+@exercise("admit_fcfs", "ch02_batching")
+def _grade_admit_fcfs(fn: Callable) -> str:
+    cases = [  # (waiting, free_pages, block_size, free_slots)
+        ([(10, 6)], 1, 16, 4), ([(16, 16), (3, 3)], 2, 16, 4), ([(16, 16), (1, 1)], 3, 16, 4),
+        ([(16, 17)], 2, 16, 4), ([(10, 30)], 2, 16, 4), ([(40, 10), (1, 1)], 3, 16, 4),
+        ([(1, 1)] * 5, 99, 16, 3), ([(8, 8), (8, 8), (8, 9)], 3, 16, 8), ([], 5, 16, 5),
+        ([(20, 10), (5, 5)], 3, 16, 4),
+    ]
+    ceil = lambda p, m, bs: -(-(p + m) // bs)  # noqa: E731
+    le = lambda need, free: need <= free  # noqa: E731
+    ref = _admit_variant(ceil, le)
+    wrong = {
+        "off-by-one budget: a request that needs exactly the pages left fits (compare with "
+        "<=, not <)": _admit_variant(ceil, lambda need, free: need < free),
+        "off-by-one page count at exact multiples: 32 tokens fill exactly 2 pages of 16 "
+        "(ceil(32 / 16) = 2, not 32 // 16 + 1 = 3)":
+            _admit_variant(lambda p, m, bs: (p + m) // bs + 1, le),
+        "a partly filled page is a whole page: round the page count up":
+            _admit_variant(lambda p, m, bs: (p + m) // bs, le),
+        "reserve pages for prompt_len + max_new_tokens, not for the prompt alone":
+            _admit_variant(lambda p, m, bs: -(-p // bs), le),
+        "a request that does not fit stops admission: later requests must not jump it "
+        "(first come, first served)": _admit_variant(ceil, le, jump=True),
+    }
+    got = [fn([tuple(w) for w in c[0]], *c[1:]) for c in cases]
+    want = [ref(*c) for c in cases]
+    if got == want:
+        return f"admits in order under pages and slots ({len(cases)} cases)"
+    first = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
+    call = (f"admit_fcfs(waiting={cases[first][0]}, free_pages={cases[first][1]}, "
+            f"block_size={cases[first][2]}, free_slots={cases[first][3]}) returned "
+            f"{got[first]}, expected {want[first]}")
+    for hint, variant in wrong.items():
+        if [variant(*c) for c in cases] == got:
+            raise AssertionError(f"{call}: {hint}")
+    raise AssertionError(f"{call}: admit in arrival order while the pages of prompt_len + "
+                         "max_new_tokens (rounded up) and a slot are free")
+
+
+@exercise("chunk_prefills", "ch02_batching")
+def _grade_chunk_prefills(fn: Callable) -> str:
+    cases = [  # (num_decode, prefill_left, budget, expected)
+        (3, [10, 10], 8, (3, [5, 0])), (3, [2, 10], 8, (3, [2, 3])), (0, [2, 10], 8, (0, [2, 6])),
+        (9, [4], 8, (8, [0])), (2, [300, 7], None, (2, [300, 7])), (1, [3], 8, (1, [3])),
+        (4, [], 8, (4, [])), (0, [5], 5, (0, [5])),
+    ]
+    for dec, left, budget, want in cases:
+        got = fn(dec, list(left), budget)
+        got = (int(got[0]), [int(c) for c in got[1]])
+        call = f"chunk_prefills({dec}, {left}, budget={budget})"
+        if len(got[1]) != len(left):
+            raise AssertionError(f"{call} returned {len(got[1])} chunks for {len(left)} "
+                                 "prefills: give one chunk size (maybe 0) per prefill, in order")
+        if any(c > r for c, r in zip(got[1], left)) or any(c < 0 for c in got[1]):
+            raise AssertionError(f"{call} returned chunks {got[1]}: a chunk is between 0 and "
+                                 "what its prefill still needs")
+        total = got[0] + sum(got[1])
+        if budget is not None and got[0] < min(dec, budget):
+            raise AssertionError(f"{call} returned {got}: the chunks starve decode. Running "
+                                 f"sequences get their {min(dec, budget)} decode rows first; "
+                                 "prefill takes only what is left of the budget")
+        if budget is not None and total == budget + 1:
+            raise AssertionError(f"{call} returned {got}, {total} tokens: off-by-one budget, "
+                                 f"one token over the budget of {budget}")
+        if budget is not None and total > budget:
+            raise AssertionError(f"{call} returned {got}, {total} tokens: over the budget "
+                                 f"of {budget}")
+        if budget is not None and total == min(budget, dec + sum(left)) - 1:
+            raise AssertionError(f"{call} returned {got}, {total} tokens: off-by-one budget, "
+                                 "one token of the budget left unused while a prompt waits")
+        if got != want:
+            raise AssertionError(f"{call} returned {got}, expected {want}: decode rows first, "
+                                 "then each prefill in arrival order takes what it still needs "
+                                 "of what is left")
+    return f"decode first, then prefill chunks in order, budgets exact ({len(cases)} cases)"
+
+
+@exercise("latency_percentiles", "ch02_batching")
+def _grade_latency_percentiles(fn: Callable) -> str:
+    from labkit.metrics import latency_percentiles, percentile
+
+    gen = torch.Generator().manual_seed(2)
+    # one long request with fast tokens and many short ones with slow tokens: percentiles
+    # over requests and over tokens disagree, as they do on a real server
+    times = [[0.05 + 0.01 * i for i in range(400)]]
+    for _ in range(30):
+        n = int(torch.randint(1, 8, (1,), generator=gen))
+        first = float(torch.rand(1, generator=gen)) * 2
+        gaps = (torch.rand(n - 1, generator=gen) * 0.3 + 0.1).tolist()
+        t = [first]
+        for g in gaps:
+            t.append(t[-1] + g)
+        times.append(t)
+    got = fn([list(t) for t in times], (50, 99))
+    want = latency_percentiles(times, (50, 99))
+    if set(got) != set(want):
+        raise AssertionError(f"latency_percentiles returned keys {sorted(got)}, expected "
+                             f"{sorted(want)}")
+    multi = [t for t in times if len(t) > 1]
+    pooled = [b - a for t in multi for a, b in zip(t, t[1:])]
+    wrong = {
+        "TPOT taken over tokens (every gap of every request pooled) instead of over requests: "
+        "the one 400-token request outvotes thirty users": {q: percentile(pooled, q)
+                                                           for q in (50, 99)},
+        "TPOT includes the wait for the first token (e2e / n): TPOT is the mean gap between "
+        "consecutive tokens, (t_last - t_first) / (n - 1)": {
+            q: percentile([t[-1] / len(t) for t in times], q) for q in (50, 99)},
+        "one-token requests have no inter-token gap: leave them out of TPOT, not in as 0": {
+            q: percentile([(t[-1] - t[0]) / max(1, len(t) - 1) for t in times], q)
+            for q in (50, 99)},
+    }
+    for key in want:
+        q = float(key.split("_p")[1])
+        if math.isclose(got[key], want[key], rel_tol=1e-9, abs_tol=1e-12):
+            continue
+        if key.startswith("tpot"):
+            for hint, values in wrong.items():
+                if math.isclose(got[key], values[q], rel_tol=1e-9):
+                    raise AssertionError(f"latency_percentiles[{key!r}] = {got[key]:.6g}, "
+                                         f"expected {want[key]:.6g}: {hint}")
+        raise AssertionError(f"latency_percentiles[{key!r}] = {got[key]:.6g}, expected "
+                             f"{want[key]:.6g} (percentiles over requests, linear "
+                             "interpolation between the closest ranks)")
+    return "TTFT and TPOT p50/p99 over 31 requests, one of them 400 tokens long"
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 05: paged attention
+# ---------------------------------------------------------------------------------------------
+
+@exercise("blocks_needed", "ch05_paged_attention")
+def _grade_blocks_needed(fn: Callable) -> str:
+    for n, bs in ((0, 16), (1, 16), (15, 16), (16, 16), (17, 16), (32, 16), (33, 16), (7, 1),
+                  (100, 7), (98, 7)):
+        got, want = int(fn(n, bs)), -(-n // bs)
+        if got == want:
+            continue
+        if n % bs == 0 and got == want + 1:
+            raise AssertionError(f"blocks_needed({n}, {bs}) returned {got}, expected {want}: "
+                                 f"the off-by-one page count at exact multiples ({n} tokens "
+                                 f"fill exactly {want} pages; n // bs + 1 is one too many)")
+        if got == n // bs:
+            raise AssertionError(f"blocks_needed({n}, {bs}) returned {got}, expected {want}: "
+                                 "a partly filled last page is still a page (round up)")
+        raise AssertionError(f"blocks_needed({n}, {bs}) returned {got}, expected {want}")
+    return "ceil(n / block_size), exact multiples included (10 cases)"
+
+
+@exercise("translate", "ch05_paged_attention")
+def _grade_translate(fn: Callable) -> str:
+    table, bs = [7, 2, 5, 0], 4
+    for pos in range(16):
+        got = int(fn(list(table), pos, bs))
+        want = table[pos // bs] * bs + pos % bs
+        if got == want:
+            continue
+        if got == table[pos // bs] + pos % bs:
+            hint = "a page id counts pages, not slots: multiply it by block_size"
+        elif got == pos:
+            hint = "the block table was ignored: token pos lives in page table[pos // bs]"
+        elif got == table[min(pos // bs + 1, 3)] * bs + pos % bs:
+            hint = "off by one page: position pos is in entry pos // block_size"
+        else:
+            hint = "slot = block_table[pos // block_size] * block_size + pos % block_size"
+        raise AssertionError(f"translate({table}, {pos}, {bs}) returned {got}, expected "
+                             f"{want}: {hint}")
+    try:
+        fn(list(table), 16, bs)
+    except IndexError:
+        return "every position of a 4-page table, and a position past its end refused"
+    raise AssertionError(f"translate({table}, 16, {bs}) did not raise IndexError: position 16 "
+                         "needs a fifth page the table does not have")
+
+
+@exercise("CowPages", "ch05_paged_attention")
+def _grade_cow_pages(cls: Callable) -> str:
+    pool = cls(4)
+    a, b = pool.alloc(), pool.alloc()
+    if a == b or pool.num_free != 2 or pool.refcount(a) != 1:
+        raise AssertionError(f"alloc: two pages {a}, {b} with {pool.num_free} free left and "
+                             f"refcount {pool.refcount(a)}; expected two distinct pages, 2 free, "
+                             "refcount 1")
+    pool.share(a)  # a second sequence with the same prefix
+    pool.free(a)  # one of them finishes
+    if pool.num_free != 2 or pool.refcount(a) != 1:
+        raise AssertionError(
+            f"freed a shared page while refs > 0: page {a} had 2 holders, one freed it, and now "
+            f"refcount={pool.refcount(a)}, {pool.num_free} pages free. The other holder still "
+            "reads it: it returns to the free list only at refcount 0")
+    pool.share(a)
+    w = pool.write(a)  # a holder writes into the shared page
+    if w == a:
+        raise AssertionError(
+            f"a forgotten copy-on-write: write({a}) on a page with 2 holders returned the page "
+            "itself, so the write would change the other holder's tokens. Allocate a copy and "
+            "move the writer's reference to it")
+    if pool.refcount(a) != 1 or pool.refcount(w) != 1:
+        raise AssertionError(
+            f"copy-on-write: after write({a}) the original has refcount {pool.refcount(a)} and "
+            f"the copy {pool.refcount(w)}; expected 1 and 1 (the writer's reference moved)")
+    if pool.write(w) != w or pool.num_free != 1:
+        raise AssertionError("write on a page with one holder must return it in place, "
+                             "allocating nothing")
+    for p in (a, b, w):
+        pool.free(p)
+    if pool.num_free != 4:
+        raise AssertionError(f"after freeing every page, {pool.num_free} of 4 are free")
+    try:
+        pool.free(a)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError(f"free({a}) on a free page did not raise: a double free puts a "
+                             "page in the free list twice, and two sequences end up sharing it")
+    full = cls(1)
+    full.alloc()
+    try:
+        full.alloc()
+    except MemoryError:
+        return "alloc, share, free at refcount 0, copy-on-write, double free refused"
+    raise AssertionError("alloc on a full pool did not raise MemoryError")

@@ -27,7 +27,17 @@ def stub(module: str, name: str) -> Callable:
 
 def solutions() -> dict[str, Callable]:
     """Exercise name -> the function the graders check (learner's or labkit's)."""
-    from labkit import attention, model, roofline, sampling, sequence
+    from labkit import (
+        attention,
+        kv_sim,
+        metrics,
+        model,
+        paged_kv,
+        roofline,
+        sampling,
+        sequence,
+        serve_sim,
+    )
 
     return {
         # chapter 00
@@ -50,4 +60,13 @@ def solutions() -> dict[str, Callable]:
         # chapter 07
         "commit_row": pick("ch07_pipelined", "commit_row", sequence.commit_row),
         "can_release": pick("ch07_pipelined", "can_release", sequence.can_release),
+        # chapter 02
+        "admit_fcfs": pick("ch02_batching", "admit_fcfs", serve_sim.admit_fcfs),
+        "chunk_prefills": pick("ch02_batching", "chunk_prefills", serve_sim.chunk_prefills),
+        "latency_percentiles": pick("ch02_batching", "latency_percentiles",
+                                    metrics.latency_percentiles),
+        # chapter 05
+        "blocks_needed": pick("ch05_paged_attention", "blocks_needed", paged_kv.blocks_needed),
+        "translate": pick("ch05_paged_attention", "translate", kv_sim.translate),
+        "CowPages": pick("ch05_paged_attention", "CowPages", kv_sim.CowPages),
     }

@@ -1,0 +1,192 @@
+"""`python -m labkit bench step`: where one decode step's time goes, by phase.
+
+The engine's whole decode step (plan, launch, forward, sample, copy, commit; the blocking
+decoder, the in-process device) is timed beside the bare model forward at the same batch and
+context (`ceilings.measure_decode_step`: the model and a plain attention over a preallocated
+KV, nothing else), in alternating turns, and the ratio of medians is reported: what the engine
+adds around the model.
+
+Then a per-phase table from timed sections of profiled steps: the bench wraps the engine's,
+the runner's and the model's pieces on *this engine instance* with timers (plan, metadata,
+KV write, KV gather + attention, q/k/v/o projections, MLP, head, sample, commit; "other" is
+what the forward spends outside them: embedding, norms, RoPE, residual adds). Timers cost a
+few microseconds each, so the profiled steps are not the ones the ratio uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+PHASES = ("plan", "metadata", "kv write", "kv gather + attention", "qkvo proj", "mlp", "head",
+          "other forward", "sample", "commit")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse and validate everything before any model loads (bad values exit 2)."""
+    p = argparse.ArgumentParser(prog="python -m labkit bench step",
+                                description="A decode step by phase, and the engine's whole "
+                                            "step against the bare model forward.")
+    p.add_argument("--batch", default="1,32", help="batch sizes, comma-separated")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
+    p.add_argument("--steps", type=int, default=12, help="timed decode steps of each kind")
+    p.add_argument("--model", default="smollm2-135m", help="a model name (tiny, smollm2-135m)")
+    p.add_argument("--json", action="store_true", help="JSON rows on stdout")
+    args = p.parse_args(argv)
+    try:
+        args.batch = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        p.error(f"--batch must be comma-separated integers, got {args.batch!r}")
+    if any(b < 1 for b in args.batch) or args.context < 1 or args.steps < 1:
+        p.error("--batch, --context and --steps must be >= 1")
+    return args
+
+
+class _Timers:
+    """Accumulated seconds per phase label, from wrapped callables."""
+
+    def __init__(self):
+        self.s: dict[str, float] = defaultdict(float)
+        self.on = False
+
+    def wrap(self, label: str, fn):
+        def timed(*a, **kw):
+            if not self.on:
+                return fn(*a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.s[label] += time.perf_counter() - t0
+        return timed
+
+
+def _instrument(engine, timers: _Timers) -> None:
+    """Put timers around the pieces of this one engine (its instance attributes only)."""
+    runner = engine.device.runner
+    backend, model = runner.backend, runner.model
+    for name in ("plan_decode", "plan_step"):  # whichever planning piece the engine has
+        if hasattr(engine, name):
+            setattr(engine, name, timers.wrap("plan", getattr(engine, name)))
+    engine.commit = timers.wrap("commit", engine.commit)
+    runner._meta = timers.wrap("metadata", runner._meta)
+    runner.sample = timers.wrap("sample", runner.sample)
+    runner.forward = timers.wrap("forward", runner.forward)
+    backend.store.write = timers.wrap("kv write", backend.store.write)
+    backend._attend = timers.wrap("kv gather + attention", backend._attend)
+    for layer in model.layers:
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            m = getattr(layer, name)
+            m.forward = timers.wrap("qkvo proj", m.forward)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            m = getattr(layer, name)
+            m.forward = timers.wrap("mlp", m.forward)
+
+
+def _head_s(model, batch: int, repeats: int) -> float:
+    """Median seconds of the output head alone (final norm + [B, d] @ [d, V])."""
+    import torch
+
+    from labkit.model import rms_norm
+
+    x = torch.randn(batch, model.cfg.hidden_size)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            rms_norm(x, model.final_norm, model.cfg.rms_norm_eps) @ model.head_weight.t()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_step(model, batch: int, context: int, steps: int) -> dict:
+    """One batch size: engine step vs bare forward (alternating), and the phase table."""
+    from labkit.ceilings import measure_decode_step
+    from labkit.decoders import run
+    from labkit.engine import Engine
+    from labkit.sampling import SamplingParams
+
+    total = context + 3 * steps + 8
+    engine = Engine(model, None, kv_tokens=batch * (total + 32), max_seqs=batch,
+                    block_size=16)
+    gen = __import__("random").Random(0)
+    vocab = model.cfg.vocab_size
+    for _ in range(batch):
+        engine.submit([gen.randrange(min(100, vocab - 1), vocab) for _ in range(context)],
+                      SamplingParams(max_new_tokens=3 * steps + 4, ignore_eos=True))
+    seqs = list(engine.seqs.values())
+    while not all(s.output_ids for s in seqs):  # prefill (chunked or not) until all decode
+        run(engine, "blocking", max_steps=1)
+
+    def engine_step() -> float:
+        t0 = time.perf_counter()
+        run(engine, "blocking", max_steps=1)
+        return time.perf_counter() - t0
+
+    engine_s, bare_s = [], []
+    for _ in range(steps):  # alternating turns: a drifting machine slows both alike
+        engine_s.append(engine_step())
+        bare_s.append(measure_decode_step(model, batch, context, repeats=1))
+    timers = _Timers()
+    _instrument(engine, timers)
+    timers.on = True
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run(engine, "blocking", max_steps=1)
+    profiled = (time.perf_counter() - t0) / steps
+    timers.on = False
+    engine.close()
+    per = {k: v / steps for k, v in timers.s.items()}
+    head = _head_s(model, batch, steps)
+    inside = sum(per.get(k, 0.0) for k in ("metadata", "kv write", "kv gather + attention",
+                                           "qkvo proj", "mlp"))
+    per["head"] = head
+    per["other forward"] = max(0.0, per.pop("forward", 0.0) - inside - head)
+    phases = {k: per.get(k, 0.0) * 1e3 for k in PHASES}
+    return {"batch": batch, "context": context, "steps": steps,
+            "engine_step_ms": statistics.median(engine_s) * 1e3,
+            "bare_forward_ms": statistics.median(bare_s) * 1e3,
+            "engine_over_forward": statistics.median(engine_s) / statistics.median(bare_s),
+            "profiled_step_ms": profiled * 1e3, "phases_ms": phases}
+
+
+def log(line: str) -> None:
+    """Progress, on stderr (stdout holds the rows)."""
+    print(line, file=sys.stderr)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m labkit bench step ...`; returns the exit code."""
+    args = parse_args(argv)
+    import torch
+
+    from labkit.loading import load_model
+
+    log(f"bench step: model {args.model}, context {args.context}, {args.steps} steps each, "
+        f"{torch.get_num_threads()} torch threads")
+    try:
+        model, _ = load_model(args.model)
+        rows = []
+        for b in args.batch:
+            log(f"  batch {b} ...")
+            rows.append(bench_step(model, b, args.context, args.steps))
+    except (ValueError, RuntimeError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    print(f"{'phase (ms)':<24}" + "".join(f"{'batch ' + str(r['batch']):>12}" for r in rows))
+    for k in PHASES:
+        print(f"{k:<24}" + "".join(f"{r['phases_ms'][k]:>12.2f}" for r in rows))
+    for label, key in (("profiled step", "profiled_step_ms"), ("engine step", "engine_step_ms"),
+                       ("bare forward", "bare_forward_ms")):
+        print(f"{label:<24}" + "".join(f"{r[key]:>12.2f}" for r in rows))
+    print(f"{'engine / forward':<24}" + "".join(f"{r['engine_over_forward']:>11.2f}x"
+                                               for r in rows))
+    return 0

@@ -1,0 +1,37 @@
+"""`bench paged`: argument checks (now) and a short run on the tiny model (needs the engine of
+issue #13: `Engine(kv_reserve=..., prefix_caching=...)` and pages on demand, branch `sched`)."""
+
+import json
+
+import pytest
+
+from labkit import bench_paged
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--kv-tokens", "0"], "--kv-tokens must be >= 1"),
+    (["--requests", "0"], "--requests must be >= 1"),
+    (["--max-new", "0"], "--max-new must be >= 1"),
+    (["--policies", "buddy"], "unknown ['buddy']"),
+    (["--scale", "0"], "--scale must be in (0, 1]"),
+    (["--kv-tokens", "100"], "cannot hold one request"),
+])
+def test_bad_values_exit_2_before_loading(argv, words, capsys, monkeypatch):
+    import labkit.loading
+
+    monkeypatch.setattr(labkit.loading, "load_model", lambda *a: pytest.fail("model loaded"))
+    with pytest.raises(SystemExit) as info:
+        bench_paged.main(argv)
+    assert info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_on_demand_runs_three_times_the_sequences_of_contiguous(capsys):
+    rc = bench_paged.main(["--model", "tiny", "--requests", "24", "--scale", "0.1",
+                           "--kv-tokens", "512", "--block-size", "4", "--json"])
+    assert rc == 0
+    rows = {r["policy"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(rows) == {"contiguous", "reserve", "on_demand"}
+    assert len({r["kv_bytes"] for r in rows.values()}) == 1  # equal memory
+    assert rows["on_demand"]["max_concurrent"] >= 3 * rows["contiguous"]["max_concurrent"]
+    assert rows["on_demand"]["internal_waste_pct"] < rows["contiguous"]["internal_waste_pct"]

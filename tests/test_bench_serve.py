@@ -1,0 +1,48 @@
+"""`bench serve`: argument checks (now) and a short run on the tiny model (needs the engine of
+issue #12: `Engine(max_step_tokens=..., batching=...)`, branch `sched`)."""
+
+import json
+
+import pytest
+
+from labkit import bench_serve
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--rate", "0"], "--rate must be > 0"), (["--rate", "-1"], "--rate must be > 0"),
+    (["--requests", "0"], "--requests must be >= 1"),
+    (["--max-step-tokens", "0"], "--max-step-tokens must be >= 1"),
+    (["--batching", "dynamic"], "--batching must be static or continuous"),
+])
+def test_bad_values_exit_2_before_loading(argv, words, capsys, monkeypatch):
+    import labkit.loading
+
+    monkeypatch.setattr(labkit.loading, "load_model", lambda *a: pytest.fail("model loaded"))
+    with pytest.raises(SystemExit) as info:
+        bench_serve.main(argv)
+    assert info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_settings_parse_as_sweeps():
+    a = bench_serve.parse_args(["--rate", "1,4", "--max-step-tokens", "32,none",
+                                "--batching", "continuous"])
+    assert a.rate == [1.0, 4.0] and a.max_step_tokens == [32, None]
+    assert a.batching == ["continuous"]
+
+
+def test_tiny_run_writes_one_row_per_setting(capsys):
+    rc = bench_serve.main(["--model", "tiny", "--rate", "50", "--requests", "6", "--short",
+                           "--max-step-tokens", "16", "--batching", "static,continuous",
+                           "--decoder", "blocking", "--json"])
+    assert rc == 0
+    out = capsys.readouterr()
+    rows = [json.loads(line) for line in out.out.splitlines()]
+    assert [r["batching"] for r in rows] == ["static", "continuous"]
+    keys = {"batching", "rate", "requests", "max_step_tokens", "throughput_tok_s", "ttft_p50_ms",
+            "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "goodput"}
+    for r in rows:
+        assert keys <= set(r) and r["requests"] == 6 and r["max_step_tokens"] == 16
+        assert r["throughput_tok_s"] > 0 and 0 <= r["goodput"] <= 1
+        assert r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+    assert "round 1/1" in out.err  # progress on stderr
