@@ -100,8 +100,11 @@ class ModelRunner:
             tables = self.to_device([t + [0] * (width - len(t)) for t in plan.block_tables])
             block_size = self.cache.block_size
         max_ctx = max(s + q for s, q in zip(plan.starts, plan.query_lens))
+        # every length the build needs comes from the plan's host lists: nothing reads the
+        # device back, so a launch only enqueues (labkit/attention.py)
         return AttentionMeta.build(self.to_device(plan.query_lens), self.to_device(plan.starts),
-                                   tables, block_size, max(plan.query_lens), max_ctx)
+                                   tables, block_size, max(plan.query_lens), max_ctx,
+                                   host_query_lens=plan.query_lens, host_starts=plan.starts)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
