@@ -9,6 +9,7 @@ property the pipelined decoder is built on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -107,21 +108,32 @@ class ModelRunner:
                                    host_query_lens=plan.query_lens, host_starts=plan.starts)
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run the step's forward; logits of each sequence's last new token: [B, V]."""
+    def forward(self, plan: StepPlan, on_staged: Callable[[], object] | None = None
+                ) -> torch.Tensor:
+        """Run the step's forward; logits of each sequence's last new token: [B, V].
+
+        `on_staged()`, if given, runs once the inputs are enqueued and before the model's
+        first kernel: where a device starts timing the forward (host staging is not device
+        time)."""
         meta = self._meta(plan)
         if plan.tokens is not None:
             input_ids = self.to_device(plan.tokens)  # [T]
         else:
             input_ids = self.last_tokens[self.to_device(plan.rows)]  # [B] read on the device
+        if on_staged is not None:
+            on_staged()
         self.backend.begin_step(meta)
         return self.model(input_ids, meta.positions, self.backend, logit_rows=meta.last_rows)
 
     @torch.inference_mode()
-    def sample(self, plan: StepPlan, logits: torch.Tensor,
-               allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """Choose each row's next token on the device and remember it in last_tokens: [B]."""
+    def sample(self, plan: StepPlan, logits: torch.Tensor, allowed: torch.Tensor | None = None,
+               on_staged: Callable[[], object] | None = None) -> torch.Tensor:
+        """Choose each row's next token on the device and remember it in last_tokens: [B]
+        (`on_staged` as in `forward`)."""
         batch = SamplingBatch.build(plan.params, plan.counters, logits.shape[-1], self.to_device)
+        rows = self.to_device(plan.rows)
+        if on_staged is not None:
+            on_staged()
         tokens = sample(logits, batch, allowed)
-        self.last_tokens[self.to_device(plan.rows)] = tokens
+        self.last_tokens[rows] = tokens
         return tokens
