@@ -223,7 +223,9 @@ class CudaDevice(Device):
         self.runner = ModelRunner(model, num_blocks + 1, block_size, max_seqs, cache, dev)
         self.compute = torch.cuda.Stream(dev)
         self.copy = torch.cuda.Stream(dev)
-        use_graphs = use_graphs and graphs_enabled()  # LABKIT_CUDA_GRAPHS=0: all eager
+        # LABKIT_CUDA_GRAPHS=0: all eager; the contiguous cache is never graphed (its
+        # attention loops over rows in Python)
+        use_graphs = use_graphs and graphs_enabled() and cache == "paged"
         self.graphs = DecodeGraphs(self.runner, self.compute) if use_graphs else None
         self.host = [torch.zeros(max_seqs, dtype=torch.long, pin_memory=True)
                      for _ in range(NUM_SLOTS)]
