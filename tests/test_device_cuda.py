@@ -6,16 +6,15 @@ other machine tests/test_fake_cuda.py runs the same functions on the fake CUDA.
 """
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from labkit import decoders  # noqa: E402
-from labkit.constraints_json import parse_constraint  # noqa: E402
-from labkit.device_cuda import MaskCache  # noqa: E402
-from labkit.engine import Engine  # noqa: E402
-from labkit.model import LlamaModel, ModelConfig, init_random  # noqa: E402
-from labkit.sampling import SamplingParams  # noqa: E402
-from labkit.vocab import Vocab  # noqa: E402
+from labkit import decoders
+from labkit.constraints_json import parse_constraint
+from labkit.device_cuda import MaskCache
+from labkit.engine import Engine
+from labkit.model import LlamaModel, ModelConfig, init_random
+from labkit.sampling import SamplingParams
+from labkit.vocab import Vocab
 
 CFG = ModelConfig.tiny()
 MODEL = init_random(LlamaModel(CFG).eval(), seed=3)
