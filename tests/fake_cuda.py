@@ -260,13 +260,14 @@ class FakeGraph:
         assert self.ops is not None, "replay() of a graph that was never captured"
         STATE.replays += 1
         with torch.inference_mode():
-            for func, args, kwargs, out in self.ops:
+            for func, args, kwargs, outs in self.ops:
                 new = func(*args, **kwargs)
-                for o, n in zip(tree_flatten(out)[0], tree_flatten(new)[0]):
-                    if not isinstance(o, torch.Tensor) or o is n:
-                        continue
-                    if o.untyped_storage().data_ptr() == n.untyped_storage().data_ptr():
-                        continue  # a view of a tensor the graph already holds
+                if not outs:
+                    continue
+                news = [new] if isinstance(new, torch.Tensor) else tree_flatten(new)[0]
+                for (o, ptr), n in zip(outs, news):
+                    if o is None or o is n or ptr == n.untyped_storage().data_ptr():
+                        continue  # not a tensor, or a view of memory the graph already holds
                     o.copy_(n)  # the result lands where the capture put it
 
     def reset(self) -> None:
@@ -290,7 +291,11 @@ def _graph(graph: FakeGraph, pool=None, stream: FakeStream | None = None,
         raise
     finally:
         STATE.capturing = False
-    graph.ops = rec.ops
+    graph.ops = []
+    for func, args, kwargs, out in rec.ops:  # each result's tensors, and where they live
+        outs = [(o, o.untyped_storage().data_ptr()) if isinstance(o, torch.Tensor) else (None, 0)
+                for o in tree_flatten(out)[0]]
+        graph.ops.append((func, args, kwargs, outs if any(o is not None for o, _ in outs) else []))
     STATE.captures += 1
 
 

@@ -9,6 +9,9 @@ if os.environ.get("LABKIT_FAKE_CUDA") == "1":
     root = str(Path(__file__).resolve().parents[2])
     if root not in sys.path:
         sys.path.insert(0, root)
+    import torch
+
     from tests.fake_cuda import install
 
+    torch.set_num_threads(1)  # as tests/conftest.py: the "device" is this CPU, shared
     install()
