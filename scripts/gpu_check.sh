@@ -33,7 +33,7 @@ STEPS="$TMP/steps.tsv"  # name, exit code, seconds, limit
 SCALE=1
 if [ "$FAKE" = 1 ]; then  # a CPU, shared, runs the rehearsal several times slower
   SCALE=4
-  BUDGET=${GPU_CHECK_BUDGET_S:-1200}
+  BUDGET=$(( ${GPU_CHECK_BUDGET_S:-440} * SCALE ))
 fi
 # the time left for a step that wants $1 s when the steps after it need $2 s
 limit() {
