@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: lab test setup grade lint gpu-check gpu-carry clean-cache
+.PHONY: lab test setup grade lint gpu-check gpu-carry gpu-dry-run clean-cache
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -42,11 +42,15 @@ grade: setup
 lint: setup
 	$(BIN)/ruff check .
 
-gpu-check: setup
+# On a GPU machine: no setup (it would install the CPU torch); the machine's own CUDA torch runs.
+gpu-check:
 	bash scripts/gpu_check.sh
 
-gpu-carry: setup  # what a GPU machine without a package index needs (see scripts/gpu_carry.sh)
+gpu-carry: setup  # first, here: what a GPU machine without a package index needs (gguf, tokenizer)
 	bash scripts/gpu_carry.sh
+
+gpu-dry-run: setup  # the whole GPU check here, on the fake CUDA of tests/fake_cuda.py
+	LABKIT_FAKE_CUDA=1 PYTHON=$(BIN)/python OUT=$$(mktemp -d) bash scripts/gpu_check.sh
 
 clean-cache:
 	rm -rf $${LABKIT_CACHE:-$$HOME/.cache/labkit}

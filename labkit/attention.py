@@ -22,7 +22,8 @@ both caches share this metadata. The backends share one signature and one test:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 from torch.nn import functional as F
@@ -44,22 +45,44 @@ class AttentionMeta:
     unpad_index: torch.Tensor  # [T] index into the flattened [B * Tq] padded queries
     mask: torch.Tensor  # [B, Tq, L] True where a query may attend to a key
     last_rows: torch.Tensor  # [B] packed index of each sequence's last new token
+    # the same lengths as host lists, when the builder knew them: a backend that loops over
+    # sequences in Python reads these, never the device (int(t) on a GPU waits for it)
+    host_query_lens: list[int] | None = None
+    host_ctx_lens: list[int] | None = None
+
+    @staticmethod
+    def _host_to(values: list[int], dev: torch.device) -> torch.Tensor:
+        """A host list on `dev`; on CUDA through pinned memory, so the copy does not block."""
+        t = torch.tensor(values, dtype=torch.long)
+        if dev.type == "cuda":
+            return t.pin_memory().to(dev, non_blocking=True)
+        return t.to(dev)
 
     @staticmethod
     def build(query_lens: torch.Tensor, starts: torch.Tensor, block_tables: torch.Tensor,
-              block_size: int, max_q: int | None = None, max_ctx: int | None = None
-              ) -> AttentionMeta:
+              block_size: int, max_q: int | None = None, max_ctx: int | None = None, *,
+              host_query_lens: Sequence[int] | None = None,
+              host_starts: Sequence[int] | None = None) -> AttentionMeta:
         """Metadata for B sequences: `query_lens[b]` new tokens after `starts[b]` cached ones.
 
-        `max_q`, `max_ctx`: the largest query and context lengths, when the caller knows them
-        (on a GPU, reading them back from device tensors would stall the pipeline).
+        Nothing here reads a device tensor back, so on a GPU the build only enqueues work:
+        `max_q`, `max_ctx` (the largest query and context lengths) and, for a prefill step,
+        `host_query_lens` (the same lengths as a host list) must come from the caller, which
+        knows them on the host (the runner does). On the CPU, anything missing is read from
+        the tensors. `host_starts` lets a Python-loop backend skip reading lengths per row.
         """
         # query_lens, starts: [B]; block_tables: [B, nb] page ids (padded with any page id)
         dev = block_tables.device
+        on_cpu = dev.type == "cpu"
+        if not on_cpu and (max_q is None or max_ctx is None):
+            raise ValueError(f"AttentionMeta.build on {dev.type}: pass max_q and max_ctx (known "
+                             "on the host); reading them from the device would stall it")
         b = query_lens.shape[0]
         ctx_lens = starts + query_lens  # [B]
         seq_len = int(ctx_lens.max()) if max_ctx is None else max_ctx
         tq = int(query_lens.max()) if max_q is None else max_q
+        if host_query_lens is None and on_cpu and tq > 1:
+            host_query_lens = query_lens.tolist()  # a CPU tensor: no device to wait for
         pos = torch.arange(seq_len, device=dev)  # [L]
         # token pos of a sequence lives in page table[pos // block_size] at offset pos % bs
         page_idx = (pos // block_size).clamp(max=block_tables.shape[1] - 1).expand(b, seq_len)
@@ -73,18 +96,27 @@ class AttentionMeta:
         q_index = torch.where(valid_q, first[:, None] + j[None, :], 0)
         write_slots = ctx_slots.gather(1, q_pos.clamp(max=seq_len - 1))
         mask = (pos[None, None, :] <= q_pos[:, :, None]) & valid_k[:, None, :]  # causal
-        unpad_index = torch.arange(b, device=dev)[:, None] * tq + j[None, :]
-        if tq == 1:  # decode: every query is real; no boolean indexing (a CUDA graph can't
-            # capture its data-dependent shape)
-            write_slots, q_pos, unpad_index = (write_slots.view(b), q_pos.view(b),
-                                               unpad_index.view(b))
+        if tq == 1:  # decode: every query is real, the packed order is the padded one
+            unpad_index = torch.arange(b, device=dev)  # [T = B]
+            write_slots, q_pos = write_slots.view(b), q_pos.view(b)
         else:
+            if host_query_lens is None:
+                raise ValueError("AttentionMeta.build: a prefill step on a GPU needs "
+                                 "host_query_lens (boolean indexing by a device mask syncs)")
             # a padded query row must see something, or softmax over nothing is NaN (dropped)
             mask[:, :, 0] |= ~valid_q
-            write_slots, q_pos, unpad_index = (write_slots[valid_q], q_pos[valid_q],
-                                               unpad_index[valid_q])
+            # the packed order, listed on the host where the lengths are known: [T] indices
+            # into the padded [B * Tq] (a device mask would need nonzero(), a sync, to do this)
+            unpad_index = AttentionMeta._host_to(
+                [i * tq + k for i, n in enumerate(host_query_lens) for k in range(n)], dev)
+            write_slots = write_slots.reshape(-1)[unpad_index]  # [T]
+            q_pos = q_pos.reshape(-1)[unpad_index]  # [T]
+        host_ctx = (None if host_starts is None or host_query_lens is None
+                    else [s + n for s, n in zip(host_starts, host_query_lens)])
         return AttentionMeta(write_slots, q_pos, ctx_slots, ctx_lens, query_lens,
-                             q_index, unpad_index, mask, first + query_lens - 1)
+                             q_index, unpad_index, mask, first + query_lens - 1,
+                             None if host_query_lens is None else list(host_query_lens),
+                             host_ctx)
 
 
 class AttentionBackend:
@@ -118,8 +150,12 @@ class NaiveAttention(AttentionBackend):
         m = self.meta
         out = torch.empty_like(q)
         h, d = q.shape[1], q.shape[2]
+        # lengths from the host lists (one read of the device per layer at worst, never one
+        # per row: int() of a GPU tensor waits for the GPU)
+        ctx_lens = m.host_ctx_lens if m.host_ctx_lens is not None else m.ctx_lens.tolist()
+        q_lens = m.host_query_lens if m.host_query_lens is not None else m.query_lens.tolist()
         for b in range(m.ctx_slots.shape[0]):
-            n_ctx, n_q = int(m.ctx_lens[b]), int(m.query_lens[b])
+            n_ctx, n_q = ctx_lens[b], q_lens[b]
             tok = m.q_index[b, :n_q]  # [n_q] packed indices of this sequence's new tokens
             slots = m.ctx_slots[b, :n_ctx]
             kb = self.store.k[layer][slots]  # [L, Hkv, D]
@@ -289,6 +325,7 @@ class FlashMeta(AttentionMeta):
     """AttentionMeta without the [B, L] context slots or the [B, Tq, L] mask: FlashAttention
     walks the block tables itself, a tile at a time."""
 
+    _: KW_ONLY  # after the base's defaulted fields: these are passed by name
     block_tables: torch.Tensor  # [B, nb] page ids of each sequence, in order
     block_size: int
     starts: torch.Tensor  # [B] tokens cached before this step
@@ -296,14 +333,21 @@ class FlashMeta(AttentionMeta):
 
     @staticmethod
     def build(query_lens: torch.Tensor, starts: torch.Tensor, block_tables: torch.Tensor,
-              block_size: int, max_q: int | None = None, max_ctx: int | None = None
-              ) -> FlashMeta:
+              block_size: int, max_q: int | None = None, max_ctx: int | None = None, *,
+              host_query_lens: Sequence[int] | None = None,
+              host_starts: Sequence[int] | None = None) -> FlashMeta:
         """Same arguments as AttentionMeta.build; only O(T) index tensors."""
         dev = block_tables.device
+        on_cpu = dev.type == "cpu"
+        if not on_cpu and (max_q is None or max_ctx is None):
+            raise ValueError(f"FlashMeta.build on {dev.type}: pass max_q and max_ctx (known "
+                             "on the host); reading them from the device would stall it")
         b = query_lens.shape[0]
         ctx_lens = starts + query_lens  # [B]
         max_ctx = int(ctx_lens.max()) if max_ctx is None else max_ctx
         tq = int(query_lens.max()) if max_q is None else max_q
+        if host_query_lens is None and on_cpu and tq > 1:
+            host_query_lens = query_lens.tolist()  # a CPU tensor: no device to wait for
         j = torch.arange(tq, device=dev)
         q_pos = starts[:, None] + j[None, :]  # [B, Tq]
         valid_q = j[None, :] < query_lens[:, None]
@@ -311,15 +355,25 @@ class FlashMeta(AttentionMeta):
         q_index = torch.where(valid_q, first[:, None] + j[None, :], 0)
         page = block_tables.gather(1, (q_pos // block_size).clamp(max=block_tables.shape[1] - 1))
         write_slots = page * block_size + q_pos % block_size  # [B, Tq]
-        unpad_index = torch.arange(b, device=dev)[:, None] * tq + j[None, :]
         if tq == 1:
-            write_slots, q_pos, unpad_index = (write_slots.view(b), q_pos.view(b),
-                                               unpad_index.view(b))
+            unpad_index = torch.arange(b, device=dev)  # [T = B]
+            write_slots, q_pos = write_slots.view(b), q_pos.view(b)
         else:
-            write_slots, q_pos, unpad_index = (write_slots[valid_q], q_pos[valid_q],
-                                               unpad_index[valid_q])
+            if host_query_lens is None:
+                raise ValueError("FlashMeta.build: a prefill step on a GPU needs "
+                                 "host_query_lens (boolean indexing by a device mask syncs)")
+            # the packed order, listed on the host (see AttentionMeta.build)
+            unpad_index = AttentionMeta._host_to(
+                [i * tq + k for i, n in enumerate(host_query_lens) for k in range(n)], dev)
+            write_slots = write_slots.reshape(-1)[unpad_index]  # [T]
+            q_pos = q_pos.reshape(-1)[unpad_index]  # [T]
+        host_ctx = (None if host_starts is None or host_query_lens is None
+                    else [s + n for s, n in zip(host_starts, host_query_lens)])
         return FlashMeta(write_slots, q_pos, None, ctx_lens, query_lens, q_index, unpad_index,
-                         None, first + query_lens - 1, block_tables, block_size, starts, max_ctx)
+                         None, first + query_lens - 1,
+                         None if host_query_lens is None else list(host_query_lens), host_ctx,
+                         block_tables=block_tables, block_size=block_size, starts=starts,
+                         max_ctx=max_ctx)
 
 
 class FlashAttention(AttentionBackend):

@@ -9,6 +9,7 @@ property the pipelined decoder is built on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,13 +122,22 @@ class ModelRunner:
             tables = self.to_device([t + [0] * (width - len(t)) for t in plan.block_tables])
             block_size = self.cache.block_size
         max_ctx = max(s + q for s, q in zip(plan.starts, plan.query_lens))
-        build = self.backend.meta_type.build  # flash's meta has no [B, L] slots, no mask
-        return build(self.to_device(plan.query_lens), self.to_device(plan.starts), tables,
-                     block_size, max(plan.query_lens), max_ctx)
+        # every length the build needs comes from the plan's host lists: nothing reads the
+        # device back, so a launch only enqueues (labkit/attention.py); flash's meta has no
+        # [B, L] slots and no mask
+        return self.backend.meta_type.build(
+            self.to_device(plan.query_lens), self.to_device(plan.starts), tables, block_size,
+            max(plan.query_lens), max_ctx, host_query_lens=plan.query_lens,
+            host_starts=plan.starts)
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run the step's forward; logits of each sequence's last new token: [B, V]."""
+    def forward(self, plan: StepPlan, on_staged: Callable[[], object] | None = None
+                ) -> torch.Tensor:
+        """Run the step's forward; logits of each sequence's last new token: [B, V].
+
+        `on_staged()`, if given, runs once the inputs are enqueued and before the model's
+        first kernel: where a device starts timing the forward (host staging is not device
+        time)."""
         meta = self._meta(plan)
         if plan.tokens is None:
             input_ids = self.last_tokens[self.to_device(plan.rows)]  # [B] read on the device
@@ -142,14 +152,20 @@ class ModelRunner:
                     first += q
                 if rows:
                     input_ids[self.to_device(packed)] = self.last_tokens[self.to_device(rows)]
+        if on_staged is not None:
+            on_staged()
         self.backend.begin_step(meta)
         return self.model(input_ids, meta.positions, self.backend, logit_rows=meta.last_rows)
 
     @torch.inference_mode()
-    def sample(self, plan: StepPlan, logits: torch.Tensor,
-               allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """Choose each row's next token on the device and remember it in last_tokens: [B]."""
+    def sample(self, plan: StepPlan, logits: torch.Tensor, allowed: torch.Tensor | None = None,
+               on_staged: Callable[[], object] | None = None) -> torch.Tensor:
+        """Choose each row's next token on the device and remember it in last_tokens: [B]
+        (`on_staged` as in `forward`)."""
         batch = SamplingBatch.build(plan.params, plan.counters, logits.shape[-1], self.to_device)
+        rows = self.to_device(plan.rows)
+        if on_staged is not None:
+            on_staged()
         tokens = sample(logits, batch, allowed)
-        self.last_tokens[self.to_device(plan.rows)] = tokens
+        self.last_tokens[rows] = tokens
         return tokens

@@ -14,9 +14,20 @@ os.chdir(ROOT)
 # one thread: the suite also runs a simulated device process, and 2 threads on 2 shared cores
 # slow torch down many times over when anything else runs
 torch.set_num_threads(1)
+# LABKIT_FAKE_CUDA=1 (make gpu-dry-run): the cuda tests run on the fake CUDA of tests/fake_cuda.py
+FAKE_CUDA = os.environ.get("LABKIT_FAKE_CUDA") == "1"
+if FAKE_CUDA:
+    from tests import fake_cuda
+
+    fake_cuda.install()
 
 
 def pytest_collection_modifyitems(config, items):
+    if FAKE_CUDA:  # a test that measures the GPU itself has nothing to measure on the fake
+        skip = pytest.mark.skip(reason="measures the hardware: not on the fake CUDA")
+        for item in items:
+            if "measures_gpu" in item.keywords:
+                item.add_marker(skip)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run scripts/gpu_check.sh on a GPU machine)")
