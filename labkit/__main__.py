@@ -14,6 +14,7 @@ COMMANDS = {
     "info": ("labkit.cli", "info_main", "versions, threads, device, model cache"),
     "bench": ("labkit.bench", "main", "benchmarks: `bench generate`, `bench decode`"),
     "roofline": ("labkit.roofline", "main", "roofline analysis of a model on a device"),
+    "grade": ("labkit.check", "main", "grade your answers in exercises/, one line each"),
 }
 
 

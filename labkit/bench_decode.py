@@ -46,6 +46,21 @@ def predicted_speedup(t_host: float, t_device: float) -> float:
     return (t_host + t_device) / max(t_host, t_device)
 
 
+def cost_model(launch_s: list[float], device_s: list[float]) -> tuple[float, float, float]:
+    """(T_host, T_device, predicted speedup) of a blocking run, from its measured spans.
+
+    launch_s: when each consecutive decode step was launched [n]; device_s: the device's busy
+    seconds (forward + sample) of each of those steps [n]. A blocking step is one period from
+    launch to launch; the n - 1 periods begin at the first n - 1 launches, so T_device is the
+    mean of those steps' device time and T_host the rest of the period.
+    """
+    n = len(launch_s) - 1  # periods between launches
+    t_step = (launch_s[-1] - launch_s[0]) / n
+    t_device = sum(device_s[:n]) / n
+    t_host = t_step - t_device
+    return t_host, t_device, predicted_speedup(t_host, t_device)
+
+
 def decode_ms_per_step(timeline) -> tuple[float, float, int]:
     """(wall ms per decode step, device ms per decode step, decode steps) of a recorded run."""
     decode_launches = [s for s in timeline.lane("host") if s.label == "decode"]

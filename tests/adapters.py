@@ -27,7 +27,8 @@ def stub(module: str, name: str) -> Callable:
 
 def solutions() -> dict[str, Callable]:
     """Exercise name -> the function the graders check (learner's or labkit's)."""
-    from labkit import model, roofline, sampling, sequence
+    from labkit import bench_decode, decode_pipelined, model, roofline, sampling, sequence
+    from labkit import timeline
 
     return {
         # chapter 00
@@ -40,7 +41,12 @@ def solutions() -> dict[str, Callable]:
                                   roofline.decode_step_flops),
         "decode_step_bytes": pick("ch01_roofline", "decode_step_bytes",
                                   roofline.decode_step_bytes),
+        # chapter 06
+        "bubble_fraction": pick("ch06_gpu_bubble", "bubble_fraction", timeline.idle_fraction),
+        "cost_model": pick("ch06_gpu_bubble", "cost_model", bench_decode.cost_model),
         # chapter 07
         "commit_row": pick("ch07_pipelined", "commit_row", sequence.commit_row),
         "can_release": pick("ch07_pipelined", "can_release", sequence.can_release),
+        "run_pipelined": pick("ch07_pipelined", "run_pipelined",
+                              decode_pipelined.run_pipelined),
     }
