@@ -14,15 +14,16 @@ def bubble_fraction(busy: list[tuple[float, float]], t0: float, t1: float) -> fl
     raise NotImplementedError("bubble_fraction: see the docstring for the task")
 
 
-def cost_model(launch_s: list[float], device_s: list[float]) -> tuple[float, float, float]:
+def cost_model(launch_s: list[float], host_s: list[float]) -> tuple[float, float, float]:
     """Return (T_host, T_device, predicted speedup) of a blocking run, from its measured spans.
 
     `launch_s`: the time (s) at which each of n consecutive decode steps was launched;
-    `device_s`: the device's busy seconds (forward + sample) of each of those n steps. A
-    blocking step lasts from one launch to the next, so n launches measure n - 1 periods,
-    begun by the first n - 1 steps. T_device: the mean device time of those n - 1 steps.
-    T_host: the mean period minus T_device (everything else a step costs). The prediction of
-    chapter 06's cost model: (T_host + T_device) / max(T_host, T_device). labkit's version:
+    `host_s`: the host's own work (s) in each of those n steps (plan, launch, sample launch,
+    commit: the host spans, not counting the wait). A blocking step lasts from one launch to
+    the next, so n launches measure n - 1 periods, begun by the first n - 1 steps. T_host: the
+    mean host work of those n - 1 steps. T_device: the mean period minus T_host (the device's
+    compute, its own command handling and the copy: what the host waits for). The prediction
+    of chapter 06's cost model: (T_host + T_device) / max(T_host, T_device). labkit's version:
     labkit/bench_decode.py::cost_model.
     """
     raise NotImplementedError("cost_model: see the docstring for the task")

@@ -443,34 +443,32 @@ def _grade_bubble_fraction(fn: Callable) -> str:
 
 @exercise("cost_model", "ch06_gpu_bubble")
 def _grade_cost_model(fn: Callable) -> str:
-    runs = [  # (decode launch times of a blocking run, device busy seconds of each step)
-        ([0.0, 5.0e-3, 10.5e-3, 15.0e-3, 20.5e-3], [3.0e-3, 3.2e-3, 2.8e-3, 3.0e-3, 4.0e-3]),
-        ([0.0, 2.0e-3, 4.2e-3, 6.1e-3], [0.5e-3, 0.6e-3, 0.4e-3, 0.9e-3]),
-        ([1.0, 1.004, 1.0079, 1.0121, 1.016, 1.0201], [2e-3, 2.1e-3, 1.9e-3, 2e-3, 2e-3, 5e-3]),
+    runs = [  # (decode launch times of a blocking run, host work seconds of each step)
+        ([0.0, 5.0e-3, 10.5e-3, 15.0e-3, 20.5e-3], [2.0e-3, 2.2e-3, 1.8e-3, 2.0e-3, 4.0e-3]),
+        ([0.0, 2.0e-3, 4.2e-3, 6.1e-3], [1.5e-3, 1.6e-3, 1.4e-3, 0.9e-3]),
+        ([1.0, 1.004, 1.0079, 1.0121, 1.016, 1.0201], [1e-3, 1.1e-3, 0.9e-3, 1e-3, 1e-3, 3e-3]),
     ]
     terms = {"t_host": [], "t_device": [], "predicted": []}
-    for launch, device in runs:
-        got = fn(list(launch), list(device))
+    for launch, host in runs:
+        got = fn(list(launch), list(host))
         if not (isinstance(got, tuple | list) and len(got) == 3):
             raise AssertionError(f"cost_model returned {got!r}; return a tuple (t_host, "
                                  "t_device, predicted)")
         n = len(launch) - 1  # periods between launches: the last step's own period is unknown
         step = (launch[-1] - launch[0]) / n
-        t_dev = sum(device[:n]) / n  # the steps that begin those periods
-        t_host = step - t_dev
+        t_host = sum(host[:n]) / n  # the steps that begin those periods
+        t_dev = step - t_host
         want = (t_host, t_dev, (t_host + t_dev) / max(t_host, t_dev))
-        dev_all = sum(device) / len(device)
+        host_all = sum(host) / len(host)
         step_n = (launch[-1] - launch[0]) / len(launch)
-        label = f"(launch_s={launch}, device_s={device})"
-        wrong = [{
+        label = f"(launch_s={launch}, host_s={host})"
+        last = ("Averaged the host work of every step: the last launch begins no measured "
+                "period, so leave its host work out.")
+        wrong = [{last: host_all}, {
             "Divided the launch-to-launch span by the number of steps: n launches make n - 1 "
-            "periods.": step_n - t_dev,
-            "Averaged the device time of every step: the last launch begins no measured period, "
-            "so leave its device time out.": step - dev_all,
-            "T_host is the step minus the device's part, not the whole step.": step,
-        }, {
-            "Averaged the device time of every step: the last launch begins no measured period, "
-            "so leave its device time out.": dev_all,
+            "periods.": step_n - t_host,
+            last: step - host_all,
+            "T_device is the step minus the host's work, not the whole step.": step,
         }, {
             "Divided by the shorter term: a pipelined step costs the longer of the two, "
             "max(T_host, T_device).": (t_host + t_dev) / min(t_host, t_dev),

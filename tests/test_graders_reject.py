@@ -130,11 +130,11 @@ def unsorted_merge(busy, t0, t1):
     return 1 - total / (t1 - t0)
 
 
-def costs(launch, device, n_periods=None, all_device=False, whole=False, by_min=False):
+def costs(launch, host, n_periods=None, all_host=False, whole=False, by_min=False):
     n = len(launch) - 1
     step = (launch[-1] - launch[0]) / (n_periods or n)
-    t_dev = sum(device) / len(device) if all_device else sum(device[:n]) / n
-    t_host = step if whole else step - t_dev
+    t_host = sum(host) / len(host) if all_host else sum(host[:n]) / n
+    t_dev = step if whole else step - t_host
     pick = min if by_min else max
     return t_host, t_dev, (t_host + t_dev) / pick(t_host, t_dev)
 
@@ -149,7 +149,7 @@ WRONG.update({
     ],
     "cost_model": [
         (lambda la, de: costs(la, de, n_periods=len(la)), "n - 1 periods"),
-        (lambda la, de: costs(la, de, all_device=True), "leave its device time out"),
+        (lambda la, de: costs(la, de, all_host=True), "leave its host work out"),
         (lambda la, de: costs(la, de, whole=True), "not the whole step"),
         (lambda la, de: costs(la, de, by_min=True), "max(T_host, T_device)"),
     ],
