@@ -14,16 +14,18 @@ def bubble_fraction(busy: list[tuple[float, float]], t0: float, t1: float) -> fl
     raise NotImplementedError("bubble_fraction: see the docstring for the task")
 
 
-def cost_model(launch_s: list[float], host_s: list[float]) -> tuple[float, float, float]:
+def cost_model(launch_s: list[float], host_s: list[float],
+               device_s: list[float]) -> tuple[float, float, float]:
     """Return (T_host, T_device, predicted speedup) of a blocking run, from its measured spans.
 
     `launch_s`: the time (s) at which each of n consecutive decode steps was launched;
-    `host_s`: the host's own work (s) in each of those n steps (plan, launch, sample launch,
-    commit: the host spans, not counting the wait). A blocking step lasts from one launch to
-    the next, so n launches measure n - 1 periods, begun by the first n - 1 steps. T_host: the
-    mean host work of those n - 1 steps. T_device: the mean period minus T_host (the device's
-    compute, its own command handling and the copy: what the host waits for). The prediction
-    of chapter 06's cost model: (T_host + T_device) / max(T_host, T_device). labkit's version:
+    `host_s`: the host's own work (s) in each of those steps (plan, launch, sample launch,
+    commit: its spans, not counting the wait); `device_s`: the device's busy time (s) in each
+    (forward, sample). A blocking step lasts from one launch to the next, so n launches
+    measure n - 1 periods, begun by the first n - 1 steps: T_host and T_device are the means of
+    those steps. A blocking step is the whole period (host work, device work, and the round
+    trips between them); a perfect pipeline overlaps all of it but the longer of the two
+    terms, so the prediction is mean period / max(T_host, T_device). labkit's version:
     labkit/bench_decode.py::cost_model.
     """
     raise NotImplementedError("cost_model: see the docstring for the task")

@@ -443,37 +443,38 @@ def _grade_bubble_fraction(fn: Callable) -> str:
 
 @exercise("cost_model", "ch06_gpu_bubble")
 def _grade_cost_model(fn: Callable) -> str:
-    runs = [  # (decode launch times of a blocking run, host work seconds of each step)
-        ([0.0, 5.0e-3, 10.5e-3, 15.0e-3, 20.5e-3], [2.0e-3, 2.2e-3, 1.8e-3, 2.0e-3, 4.0e-3]),
-        ([0.0, 2.0e-3, 4.2e-3, 6.1e-3], [1.5e-3, 1.6e-3, 1.4e-3, 0.9e-3]),
-        ([1.0, 1.004, 1.0079, 1.0121, 1.016, 1.0201], [1e-3, 1.1e-3, 0.9e-3, 1e-3, 1e-3, 3e-3]),
+    runs = [  # (decode launch times of a blocking run, host work and device busy of each step)
+        ([0.0, 5.0e-3, 10.5e-3, 15.0e-3, 20.5e-3], [2.0e-3, 2.2e-3, 1.8e-3, 2.0e-3, 4.0e-3],
+         [2.5e-3, 2.6e-3, 2.4e-3, 2.5e-3, 1.0e-3]),
+        ([0.0, 2.0e-3, 4.2e-3, 6.1e-3], [1.5e-3, 1.6e-3, 1.4e-3, 0.9e-3],
+         [0.3e-3, 0.2e-3, 0.4e-3, 0.9e-3]),
+        ([1.0, 1.004, 1.0079, 1.0121, 1.016, 1.0201], [1e-3, 1.1e-3, 0.9e-3, 1e-3, 1e-3, 3e-3],
+         [2.5e-3, 2.4e-3, 2.6e-3, 2.5e-3, 2.5e-3, 0.5e-3]),
     ]
     terms = {"t_host": [], "t_device": [], "predicted": []}
-    for launch, host in runs:
-        got = fn(list(launch), list(host))
+    for launch, host, device in runs:
+        got = fn(list(launch), list(host), list(device))
         if not (isinstance(got, tuple | list) and len(got) == 3):
             raise AssertionError(f"cost_model returned {got!r}; return a tuple (t_host, "
                                  "t_device, predicted)")
         n = len(launch) - 1  # periods between launches: the last step's own period is unknown
         step = (launch[-1] - launch[0]) / n
-        t_host = sum(host[:n]) / n  # the steps that begin those periods
-        t_dev = step - t_host
-        want = (t_host, t_dev, (t_host + t_dev) / max(t_host, t_dev))
-        host_all = sum(host) / len(host)
+        t_host, t_dev = sum(host[:n]) / n, sum(device[:n]) / n  # the steps that begin them
+        want = (t_host, t_dev, step / max(t_host, t_dev))
+        host_all, dev_all = sum(host) / len(host), sum(device) / len(device)
         step_n = (launch[-1] - launch[0]) / len(launch)
-        label = f"(launch_s={launch}, host_s={host})"
-        last = ("Averaged the host work of every step: the last launch begins no measured "
-                "period, so leave its host work out.")
-        wrong = [{last: host_all}, {
+        label = f"(launch_s={launch}, host_s={host}, device_s={device})"
+        last = ("Averaged every step: the last launch begins no measured period, so leave its "
+                "{} out.")
+        wrong = [{last.format("host work"): host_all}, {last.format("device time"): dev_all}, {
             "Divided the launch-to-launch span by the number of steps: n launches make n - 1 "
-            "periods.": step_n - t_host,
-            last: step - host_all,
-            "T_device is the step minus the host's work, not the whole step.": step,
-        }, {
+            "periods.": step_n / max(t_host, t_dev),
             "Divided by the shorter term: a pipelined step costs the longer of the two, "
-            "max(T_host, T_device).": (t_host + t_dev) / min(t_host, t_dev),
+            "max(T_host, T_device).": step / min(t_host, t_dev),
+            "A blocking step is the whole period, round trips included, not T_host + T_device: "
+            "the pipeline hides the round trips too.": (t_host + t_dev) / max(t_host, t_dev),
             "That is the pipelined step's share of the blocking one, the inverse of the speedup.":
-                max(t_host, t_dev) / (t_host + t_dev),
+                max(t_host, t_dev) / step,
         }]
         for i, key in enumerate(terms):
             terms[key].append((label, float(got[i]), want[i], wrong[i]))

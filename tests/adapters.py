@@ -27,8 +27,7 @@ def stub(module: str, name: str) -> Callable:
 
 def solutions() -> dict[str, Callable]:
     """Exercise name -> the function the graders check (learner's or labkit's)."""
-    from labkit import bench_decode, decode_pipelined, model, roofline, sampling, sequence
-    from labkit import timeline
+    from labkit import bench_decode, decode_pipelined, model, roofline, sampling, sequence, timeline
 
     return {
         # chapter 00

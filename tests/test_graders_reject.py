@@ -130,13 +130,14 @@ def unsorted_merge(busy, t0, t1):
     return 1 - total / (t1 - t0)
 
 
-def costs(launch, host, n_periods=None, all_host=False, whole=False, by_min=False):
+def costs(launch, host, device, n_periods=None, all_host=False, all_device=False,
+          two_terms=False, by_min=False):
     n = len(launch) - 1
     step = (launch[-1] - launch[0]) / (n_periods or n)
     t_host = sum(host) / len(host) if all_host else sum(host[:n]) / n
-    t_dev = step if whole else step - t_host
+    t_dev = sum(device) / len(device) if all_device else sum(device[:n]) / n
     pick = min if by_min else max
-    return t_host, t_dev, (t_host + t_dev) / pick(t_host, t_dev)
+    return t_host, t_dev, (t_host + t_dev if two_terms else step) / pick(t_host, t_dev)
 
 
 WRONG.update({
@@ -148,10 +149,11 @@ WRONG.update({
         (lambda busy, t0, t1: 100 * timeline.idle_fraction(busy, t0, t1), "percentage"),
     ],
     "cost_model": [
-        (lambda la, de: costs(la, de, n_periods=len(la)), "n - 1 periods"),
-        (lambda la, de: costs(la, de, all_host=True), "leave its host work out"),
-        (lambda la, de: costs(la, de, whole=True), "not the whole step"),
-        (lambda la, de: costs(la, de, by_min=True), "max(T_host, T_device)"),
+        (lambda la, ho, de: costs(la, ho, de, n_periods=len(la)), "n - 1 periods"),
+        (lambda la, ho, de: costs(la, ho, de, all_host=True), "leave its host work out"),
+        (lambda la, ho, de: costs(la, ho, de, all_device=True), "leave its device time out"),
+        (lambda la, ho, de: costs(la, ho, de, two_terms=True), "round trips"),
+        (lambda la, ho, de: costs(la, ho, de, by_min=True), "max(T_host, T_device)"),
     ],
 })
 
@@ -285,5 +287,5 @@ def test_grade_line_is_one_line_per_outcome():
         raise NotImplementedError
 
     assert check.grade_line("commit_row", todo).startswith("· commit_row: not attempted")
-    line = check.grade_line("cost_model", lambda a, b: 1 / 0)
+    line = check.grade_line("cost_model", lambda a, b, c: 1 / 0)
     assert line.startswith("✗ cost_model: raised ZeroDivisionError") and "\n" not in line
