@@ -228,6 +228,7 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
         "streams": streams, "blocking_ms": blocking, "pipelined_ms": pipelined,
         "speedup": blocking / pipelined, "t_host_ms": t_host, "t_device_ms": t_device,
         "t_other_ms": t_other, "predicted_speedup": predicted,
+        "pair_speedups": [p["blocking_ms"] / p["pipelined_ms"] for p in pairs],
         "gain_share": gain_share(blocking / pipelined, predicted),
         "pairs": len(pairs),
         "zombie_rows": last["zombie_rows"], "zombie_tax": last["zombie_rows"] / last["rows"],
@@ -294,6 +295,7 @@ def main(argv: list[str]) -> int:
         engine.close()
     for r in rows:
         r.pop("timelines")
+        r.pop("pair_speedups")
         r.update(device=hardware, model=args.model, dtype=args.dtype, tokens=args.tokens,
                  constraint=args.constraint, extra_host_ms=args.extra_host_ms)
     if args.json:
