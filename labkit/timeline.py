@@ -123,7 +123,7 @@ class Timeline:
         t1 = max(s.t1 for s in spans)
         lanes = ["copy", "compute", "host"]
         colors = {"forward": "tab:blue", "sample": "tab:cyan", "copy": "tab:purple",
-                  "plan": "gold", "decode": "tab:orange", "prefill": "darkorange",
+                  "plan": "gold", "decode": "tab:orange", "prefill": "tab:brown",
                   "commit": "tab:red", "wait": "lightgray"}
         for s in spans:
             y = lanes.index(s.lane)
