@@ -151,7 +151,6 @@ class Lifecycle:
         ax.set_xlim(0, len(self.snapshots))
         ax.invert_yaxis()
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-        ax.legend(handles, list(colors), ncol=4, fontsize=7, loc="lower right",
-                  bbox_to_anchor=(1, 1.0))
+        ax.legend(handles, list(colors), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
         ax.set_title(title, fontsize=9, loc="left")
         return ax

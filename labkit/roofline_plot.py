@@ -71,9 +71,10 @@ def plot_roofline(hardware: Hardware | str | Sequence[Hardware | str],
         ax.loglog([lo, ridge, hi], [lo * hw.bandwidth, peak, peak], color=color, lw=2,
                   label=f"{hw.name}: {_si(peak, 'FLOP/s')} {dt}, {_si(hw.bandwidth, 'B/s')}")
         ax.axvline(ridge, color=color, ls=":", lw=1)
-        # left of the ridge, above the slanted roof: points on the flat roof sit to its right
-        ax.annotate(f"ridge {ridge:.3g}", (ridge, peak), textcoords="offset points",
-                    xytext=(-4, 6 + 11 * i), color=color, fontsize=8, ha="right")
+        # along the ridge line, at the bottom of the plot: points sit on the roofs, far above
+        ax.annotate(f"ridge {ridge:.3g}", (ridge, 0), xycoords=("data", "axes fraction"),
+                    textcoords="offset points", xytext=(-3, 4), color=color, fontsize=8,
+                    rotation=90, ha="right", va="bottom")
     prev, level = None, 0
     for p in sorted(placed, key=lambda q: q.intensity):
         ax.plot(p.intensity, p.flops_per_s, "o" if p.measured else "s", ms=7,
@@ -91,7 +92,7 @@ def plot_roofline(hardware: Hardware | str | Sequence[Hardware | str],
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("FLOP/s")
     ax.set_title(title or "roofline (filled: measured; open: predicted, on the roof)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")  # the roofs leave that corner empty
     ax.grid(True, which="both", alpha=0.2)
     return ax
 
