@@ -20,21 +20,31 @@ def step_blocking(engine: Engine, launch: Launch) -> None:
 
 
 def run_blocking(engine: Engine, max_steps: int | None = None) -> None:
-    """Run until every request has finished (or until `max_steps` launches have run)."""
+    """Run until every request has finished (or until `max_steps` launches have run).
+
+    On any exception (an interrupt, a callback that raises, a device error) the step in flight
+    is finished or discarded before the exception propagates (`Engine.settle`), so the engine
+    stays usable and a later run goes on with the same tokens.
+    """
     sched = engine.scheduler
     launched = 0
-    while max_steps is None or launched < max_steps:
-        engine.between_steps()
-        if sched.idle():
-            return
-        admitted = sched.admit()
-        if admitted:
-            step_blocking(engine, engine.plan_prefill(admitted))
-            launched += 1
-        live = sched.live()
-        if live:
-            step_blocking(engine, engine.plan_decode(live))
-            launched += 1
-        elif not admitted and sched.waiting and not sched.running:
-            raise RuntimeError("scheduler stuck: requests wait but nothing runs "
-                               "(a request larger than the pool was not refused at submit)")
+    current: Launch | None = None  # the step between its plan and its commit
+    try:
+        while max_steps is None or launched < max_steps:
+            engine.between_steps()
+            if sched.idle():
+                return
+            admitted = sched.admit()
+            if admitted:
+                current = engine.plan_prefill(admitted)
+                step_blocking(engine, current)
+                launched += 1
+            live = sched.live()
+            if live:
+                current = engine.plan_decode(live)
+                step_blocking(engine, current)
+                launched += 1
+            elif not admitted:  # requests, but nothing to launch and nothing in flight
+                raise engine.stuck()
+    finally:
+        engine.settle(current)

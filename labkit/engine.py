@@ -62,6 +62,10 @@ class Launch:
     seqs: list[Sequence]
     slot: int = 0
     launched_s: float = field(default_factory=time.perf_counter)
+    # how far it got, so that a loop ended by an exception can finish it (`Engine.settle`)
+    launched: bool = False
+    sampled: bool = False
+    committed: bool = False
 
 
 def make_device(kind: str, model, num_blocks: int, block_size: int, max_seqs: int,
@@ -78,13 +82,32 @@ def make_device(kind: str, model, num_blocks: int, block_size: int, max_seqs: in
     raise ValueError(f"device must be 'inprocess', 'process' or 'cuda', got {kind!r}")
 
 
+def check_engine_settings(**settings) -> None:
+    """Refuse engine settings that could never run a request, naming the setting."""
+    for name, v in settings.items():
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"Engine: {name} must be an integer, got {v!r}")
+    for name in ("block_size", "max_seqs"):
+        if settings[name] < 1:
+            raise ValueError(f"Engine: {name} must be >= 1, got {settings[name]} (max_seqs is "
+                             "the most requests a step can hold; block_size the tokens per page)")
+    if settings["num_adapter_slots"] < 0:
+        raise ValueError(f"Engine: num_adapter_slots must be >= 0, got "
+                         f"{settings['num_adapter_slots']}")
+    if settings["kv_tokens"] < settings["block_size"]:
+        raise ValueError(f"Engine: kv_tokens ({settings['kv_tokens']}) is below one KV page "
+                         f"(block_size {settings['block_size']}): no request could ever run")
+
+
 class Engine:
     """One model, one device, a scheduler, a tokenizer."""
 
     def __init__(self, model, tokenizer=None, *, kv_tokens: int = 16384, block_size: int = 16,
                  max_seqs: int = 64, cache: str = "paged", num_adapter_slots: int = 4,
                  device: str = "inprocess"):
-        num_blocks = max(1, kv_tokens // block_size)
+        check_engine_settings(kv_tokens=kv_tokens, block_size=block_size, max_seqs=max_seqs,
+                              num_adapter_slots=num_adapter_slots)
+        num_blocks = kv_tokens // block_size
         self.model, self.tokenizer = model, tokenizer
         self.device: Device = make_device(device, model, num_blocks, block_size, max_seqs, cache)
         self.scheduler = Scheduler(BlockAllocator(num_blocks), block_size, max_seqs,
@@ -191,7 +214,13 @@ class Engine:
             s.inflight_refs += 1
         launch.slot = slot
         launch.launched_s = time.perf_counter()
-        self.device.launch_forward(slot, launch.plan)
+        try:
+            self.device.launch_forward(slot, launch.plan)
+        except BaseException:  # never reached the device: nothing references the sequences
+            for s in launch.seqs:
+                s.inflight_refs -= 1
+            raise
+        launch.launched = True
         self.steps += 1
         if launch.plan.kind == "decode":
             self.decode_rows += launch.plan.batch_size
@@ -221,12 +250,22 @@ class Engine:
         t0 = time.perf_counter()
         self.device.launch_sample(launch.slot, launch.plan, self.allowed(launch))
         self.device.launch_copy(launch.slot)
+        launch.sampled = True
         self._span("sample", launch, t0)
 
     def commit(self, launch: Launch, tokens: list[int]) -> None:
-        """Apply a step's tokens to its sequences; zombie rows are skipped and counted."""
+        """Apply a step's tokens to its sequences; zombie rows are skipped and counted.
+
+        Every row is applied before any `on_text` callback runs: a callback that raises leaves
+        the step committed and every sequence consistent.
+        """
         now = t0 = time.perf_counter()
         sched = self.scheduler
+        assert not launch.committed, f"step {launch.plan.step} committed twice"
+        if len(tokens) != len(launch.seqs):
+            raise RuntimeError(f"step {launch.plan.step}: {len(tokens)} tokens for "
+                               f"{len(launch.seqs)} rows (a stale or torn host buffer)")
+        pieces: list[tuple[int, str]] = []
         sched.step = launch.plan.step  # finish and release times are this step's commit
         for seq, tok in zip(launch.seqs, tokens):
             if not commit_row(seq, tok):  # a zombie: finished at an earlier commit
@@ -242,15 +281,61 @@ class Engine:
                 if reason is not None:
                     piece += seq.detok.flush()
                 seq.text += piece
-                if piece and self.on_text is not None:
-                    self.on_text(seq.request_id, piece)
+                if piece:
+                    pieces.append((seq.request_id, piece))
             if reason is not None:
                 sched.finalize(seq, reason)
             sched.release_if_done(seq)
+        launch.committed = True
         if self.extra_host_work_s:  # a labelled what-if, never a headline number
             while time.perf_counter() - t0 < self.extra_host_work_s:
                 pass
         self._span("commit", launch, t0)
+        if self.on_text is not None:
+            for request_id, piece in pieces:
+                self.on_text(request_id, piece)
+
+    def settle(self, *launches: Launch | None) -> None:
+        """Finish what a decode loop leaves in flight when an exception ends it (in order).
+
+        Each launched, uncommitted step is sampled if it was not, waited for and committed, so
+        that every sequence is as if the run had stopped between steps, and a later run goes
+        on with the same tokens. A step that cannot be finished (the device failed, a second
+        interrupt) is discarded: its references are dropped and its live sequences end as
+        cancelled (the device is a step ahead of them). Never raises: the loop's own exception
+        is the one the caller sees.
+        """
+        seen: set[int] = set()
+        for launch in launches:
+            if (launch is None or id(launch) in seen or not launch.launched
+                    or launch.committed):
+                continue
+            seen.add(id(launch))
+            try:
+                if not launch.sampled:
+                    self.finish_sampling(launch)
+                self.commit(launch, self.wait_tokens(launch))
+            except BaseException:  # noqa: B036 - a cleanup path; the caller's error propagates
+                if not launch.committed:
+                    self._discard(launch)
+
+    def _discard(self, launch: Launch) -> None:
+        """Drop an unfinishable step's references; its live sequences end as cancelled."""
+        launch.committed = True  # never again
+        for seq in launch.seqs:
+            seq.inflight_refs -= 1
+            self.scheduler.finalize(seq, FinishReason.CANCELLED)  # no-op if already final
+            self.scheduler.release_if_done(seq)
+
+    def stuck(self) -> RuntimeError:
+        """The error for a loop that finds requests but nothing it can launch or commit."""
+        sched = self.scheduler
+        held = [(s.request_id, s.inflight_refs) for s in sched.running if s.finalized]
+        return RuntimeError(
+            f"scheduler stuck: {len(sched.waiting)} waiting, {len(sched.running)} running, none "
+            f"live and no step in flight; finished but unreleased (request, inflight_refs): "
+            f"{held[:8]} (a step's references were never committed, or a request larger than "
+            "the pool was not refused at submit)")
 
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         if seq.constraint is not None:
