@@ -124,6 +124,7 @@ class Engine:
         self.on_text: TextCallback | None = None
         self.on_step: Callable[[Engine], None] | None = None  # called between steps
         self.timeline = None  # a labkit.timeline.Timeline while one is recording
+        self.interrupt_pending = False  # a deferred Ctrl-C, raised at the next between_steps
 
     @functools.cached_property
     def vocab(self):
@@ -349,7 +350,14 @@ class Engine:
         return None
 
     def between_steps(self) -> None:
-        """Let a caller submit or cancel between steps (tests, streaming front ends)."""
+        """Let a caller submit or cancel between steps (tests, streaming front ends).
+
+        A Ctrl-C that arrived during the step (`labkit.decoders.run` defers it) is raised
+        here, where no step is half-launched or half-committed.
+        """
+        if self.interrupt_pending:
+            self.interrupt_pending = False
+            raise KeyboardInterrupt
         if self.on_step is not None:
             self.on_step(self)
 
