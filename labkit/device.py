@@ -155,16 +155,16 @@ MASK_CACHE_CAP = 256  # constraint masks the device keeps (least recently used g
 _HEAD = 2  # a host buffer row: [n, step, token_0 .. token_{n-1}]
 
 
-def _mask_cache_put(cache: OrderedDict, key: bytes, value) -> None:
+def _mask_cache_put(cache: OrderedDict, key, value, cap: int) -> None:
     """Insert into a bounded LRU (the host mirrors the device's with the same calls)."""
     cache[key] = value
     cache.move_to_end(key)
-    while len(cache) > MASK_CACHE_CAP:
+    while len(cache) > cap:
         cache.popitem(last=False)
 
 
 def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_tokens,
-                 trace, trace_n, status, error_flag, error_text, ready) -> None:
+                 trace, trace_n, status, error_flag, error_text, ready, mask_cap) -> None:
     """The device process: runs the compute stream's commands in order, in its main thread.
 
     The copy is fused into the sample: the sampled tokens are written straight into the shared
@@ -188,7 +188,8 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     vocab = model.cfg.vocab_size
     # numpy views of the shared memory: a numpy store costs a fraction of a torch one
     trace_np, trace_n_np, host_np = trace.numpy(), trace_n.numpy(), host_tokens.numpy()
-    status_np = status.numpy()  # [op, step, since]: what the device is doing (op -1: idle)
+    # [op, step, since, masks held]: what the device is doing (op -1: idle)
+    status_np = status.numpy()
 
     def record(lane: int, op: int, step: int, t0: float, t1: float) -> None:
         trace_np[lane, trace_n_np[lane] % _TRACE_CAP] = (op, step, t0, t1)
@@ -198,13 +199,13 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     free_since = time.perf_counter()  # when the device last finished a command
     try:
         while True:
-            status_np[:] = (-1, -1, free_since)
+            status_np[:3] = (-1, -1, free_since)
             cmd = compute_rx.recv()
             got = time.perf_counter()
             if cmd is None:
                 return
             op, slot, step, payload, sent = cmd
-            status_np[:] = (_STATUS_OPS.index(op), step, got)
+            status_np[:3] = (_STATUS_OPS.index(op), step, got)
             record(0, 3, step, max(sent, free_since), got)  # "recv"
             if op == "forward":
                 plans[slot] = payload
@@ -217,9 +218,10 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
                 for row, (key, packed) in (payload or {}).items():
                     if packed is not None:  # first use of this mask: unpack and keep it
                         bits = np.unpackbits(np.frombuffer(packed, np.uint8))[:vocab]
-                        _mask_cache_put(masks, key, torch.from_numpy(bits.astype(bool)))
+                        _mask_cache_put(masks, key, torch.from_numpy(bits.astype(bool)), mask_cap)
                     masks.move_to_end(key)
                     rows[row] = masks[key]
+                status_np[3] = len(masks)
                 t1 = time.perf_counter()
                 if payload:
                     record(0, 4, step, t0, t1)  # "unpack"
@@ -276,7 +278,8 @@ class ProcessDevice(Device):
 
     def __init__(self, model, num_blocks: int, block_size: int, max_seqs: int,
                  cache: str = "paged", threads: int = 1, start_timeout_s: float = 120.0,
-                 pin: bool = True, stall_timeout_s: float = 120.0):
+                 pin: bool = True, stall_timeout_s: float = 120.0,
+                 mask_cache_cap: int = MASK_CACHE_CAP):
         import torch.multiprocessing as mp
 
         split = split_cpus() if pin else None
@@ -293,7 +296,8 @@ class ProcessDevice(Device):
         self._host_np[:, 1] = -1  # no step's tokens yet
         self.trace = torch.zeros(2, _TRACE_CAP, 4, dtype=torch.float64).share_memory_()
         self.trace_n = torch.zeros(2, dtype=torch.long).share_memory_()
-        self.status = torch.zeros(3, dtype=torch.float64).share_memory_()
+        self.status = torch.zeros(4, dtype=torch.float64).share_memory_()
+        self.mask_cache_cap = mask_cache_cap
         self.error_flag = torch.zeros(2, dtype=torch.long).share_memory_()  # (failed, length)
         self.error_text = torch.zeros(_ERROR_CAP, dtype=torch.uint8).share_memory_()
         self._error_np = self.error_flag.numpy()
@@ -306,7 +310,7 @@ class ProcessDevice(Device):
             target=_device_main, daemon=True, name="labkit-device",
             args=(model, (num_blocks, block_size, max_seqs, cache), threads, self.device_cpus,
                   compute_rx, self.copy_done, self.host_tokens, self.trace, self.trace_n,
-                  self.status, self.error_flag, self.error_text, ready))
+                  self.status, self.error_flag, self.error_text, ready, mask_cache_cap))
         self.proc.start()
         self._host_masks: OrderedDict[int, tuple[torch.Tensor, bytes, bytes]] = OrderedDict()
         self._device_masks: OrderedDict[bytes, None] = OrderedDict()  # mirrors the device's
@@ -356,7 +360,7 @@ class ProcessDevice(Device):
 
     def _doing(self) -> str:
         """What the device reports it is doing, for a stall message."""
-        op, step, since = self.status.tolist()
+        op, step, since, _ = self.status.tolist()
         ago = time.perf_counter() - since
         if op == -1:
             return f"idle, waiting for a command, for {ago:.1f} s"
@@ -387,7 +391,7 @@ class ProcessDevice(Device):
                 packed = np.packbits(mask.numpy()).tobytes()
                 hit = (mask, hashlib.blake2b(packed, digest_size=16).digest(), packed)
                 self._host_masks[id(mask)] = hit
-                while len(self._host_masks) > MASK_CACHE_CAP:
+                while len(self._host_masks) > self.mask_cache_cap:
                     self._host_masks.popitem(last=False)
             self._host_masks.move_to_end(id(mask))
             _, key, packed = hit
@@ -395,7 +399,7 @@ class ProcessDevice(Device):
                 self._device_masks.move_to_end(key)
                 payload[row] = (key, None)
             else:
-                _mask_cache_put(self._device_masks, key, None)
+                _mask_cache_put(self._device_masks, key, None, self.mask_cache_cap)
                 payload[row] = (key, packed)
         return payload
 
@@ -445,6 +449,11 @@ class ProcessDevice(Device):
         """Tests: make the device fail ("fault") or stop answering for `arg` s ("stall")."""
         assert what in ("fault", "stall"), what
         self._send((what, 0, -1, arg, time.perf_counter()))
+
+    @property
+    def masks_held(self) -> int:
+        """Constraint masks the device process holds now (at most `mask_cache_cap`)."""
+        return int(self.status[3])
 
     def spans(self) -> list[tuple[str, str, int, float, float]]:
         """Device spans recorded since the last call: (lane, op, step, t0, t1)."""

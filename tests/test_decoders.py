@@ -365,7 +365,7 @@ def run_interrupted(engine: Engine, decoder: str, reqs, faults: dict[int, str]):
     engine.on_step, engine.on_text = on_step, on_text
     errors = 0
     try:
-        with deadline(60, f"{decoder} run with faults {faults}"):
+        with deadline(30, f"{decoder} run with faults {faults}"):
             while True:
                 try:
                     decoders.run(engine, decoder)
