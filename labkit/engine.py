@@ -136,11 +136,14 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
-               adapter: int | None = None, constraint=None) -> int:
-        """Queue a request; returns its id. Raises RequestError if it can never run."""
-        params = params or SamplingParams()
-        prompt_ids = [int(t) for t in prompt_ids]
+    def check(self, prompt_ids: list[int], params: SamplingParams,
+              constraint=None) -> int:
+        """Everything `submit` checks, changing nothing; returns the request's token cap.
+
+        Raises RequestError if the request could never run to completion: a token outside the
+        vocabulary, a prompt or cap the pool or context cannot hold, a constrained answer that
+        cannot finish in the context left after the prompt.
+        """
         vocab = self.model.cfg.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -150,8 +153,23 @@ class Engine:
         if constraint is not None:
             # a constrained answer always runs to completion, so that it always parses: every
             # token spells at least one character, and EOS may follow the last one
-            max_new = max(max_new, constraint.max_text_len + 1)
-        max_new = self.scheduler.check_request(prompt_ids, max_new)
+            need = constraint.max_text_len + 1
+            room = self.scheduler.context_len - len(prompt_ids)
+            if need > room:
+                raise RequestError(
+                    f"the constrained answer ({constraint!r}) may need {need} tokens, but the "
+                    f"context of {self.scheduler.context_len} tokens leaves {max(room, 0)} after "
+                    f"the prompt's {len(prompt_ids)}: it could not finish. Shorten the prompt "
+                    "or the answer (fewer decimals)")
+            max_new = max(max_new, need)
+        return self.scheduler.check_request(prompt_ids, max_new)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+               adapter: int | None = None, constraint=None) -> int:
+        """Queue a request; returns its id. Raises RequestError if it can never run."""
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        max_new = self.check(prompt_ids, params, constraint)
         seq = Sequence(self._next_id, prompt_ids, params, max_new, adapter=adapter,
                        constraint=constraint)
         if constraint is not None:
@@ -343,8 +361,12 @@ class Engine:
             seq.constraint_state = seq.constraint.advance(seq.constraint_state, tok)
             if seq.constraint.is_done(seq.constraint_state):
                 return FinishReason.STOP
-        if not seq.params.ignore_eos and (tok == self.eos_id or tok in seq.params.stop_ids):
+        if seq.params.ignore_eos:
+            pass
+        elif tok == self.eos_id:  # a constrained row samples EOS only once its answer parses
             return FinishReason.STOP
+        elif tok in seq.params.stop_ids and seq.constraint is None:
+            return FinishReason.STOP  # (a stop id never cuts a constrained answer short)
         if len(seq.output_ids) >= seq.max_new_tokens:
             return FinishReason.LENGTH
         return None
