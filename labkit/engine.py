@@ -326,8 +326,11 @@ class Engine:
         """
         seen: set[int] = set()
         for launch in launches:
-            if (launch is None or id(launch) in seen or not launch.launched
-                    or launch.committed):
+            if launch is None or id(launch) in seen or launch.committed:
+                continue
+            if not launch.launched:
+                if launch.plan.kind == "prefill":  # admitted, never prefilled: queue again
+                    self.scheduler.unadmit(launch.seqs)
                 continue
             seen.add(id(launch))
             try:

@@ -106,6 +106,24 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
+    def unadmit(self, seqs: list[Sequence]) -> None:
+        """Undo `admit` for sequences whose prefill never launched: back to the queue's head,
+        their resources returned (an error ended the run between admission and launch)."""
+        for seq in reversed(seqs):
+            if seq.status is not Status.RUNNING or seq.inflight_refs or seq.output_ids:
+                continue
+            self.allocator.free(seq.block_table)
+            self.rows.give_back(seq.row)
+            if seq.adapter_slot is not None:
+                self.adapters.give_back(seq.adapter_slot)
+            seq.block_table, seq.row, seq.adapter_slot = [], None, None
+            seq.status = Status.WAITING
+            self.running.remove(seq)
+            if not seq.finalized:
+                self.waiting.appendleft(seq)
+            else:  # cancelled in between: it holds nothing now
+                seq.status, seq.released = Status.FINISHED, True
+
     def finalize(self, seq: Sequence, reason: FinishReason) -> None:
         """Mark a sequence over (idempotent); its resources wait for inflight_refs == 0."""
         if seq.finalized:

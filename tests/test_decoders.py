@@ -361,6 +361,14 @@ def run_interrupted(engine: Engine, decoder: str, reqs, faults: dict[int, str]):
             pending[-1] = "on_text"
         if kind == "sigint":  # a real Ctrl-C, at a random moment of the next step or two
             threading.Timer(0.001 * (now % 5), os.kill, (os.getpid(), signal.SIGINT)).start()
+        if kind == "device":  # the in-process device's next forward raises
+            runner = eng.device.runner
+            forward = runner.forward
+
+            def failing(plan):
+                runner.forward = forward
+                raise Boom("device")
+            runner.forward = failing
 
     engine.on_step, engine.on_text = on_step, on_text
     errors = 0
@@ -393,8 +401,9 @@ def test_interrupted_runs_emit_the_tokens_of_an_uninterrupted_one(device, seed):
     engine = get_engine(device)
     reference = run(engine, "blocking", reqs)
     for decoder in DECODERS:
-        faults = {rng.randrange(1, 10): rng.choice(["on_step", "submit", "on_text", "sigint"])
-                  for _ in range(4)}
+        # (a failure of the process device is sticky: tested on its own in test_robust.py)
+        kinds = ["on_step", "submit", "on_text", "sigint"] + ["device"] * (device == "inprocess")
+        faults = {rng.randrange(1, 10): rng.choice(kinds) for _ in range(4)}
         out, errors = run_interrupted(engine, decoder, reqs, faults)
         assert errors >= 1, "no fault fired: the test tests nothing"
         for i, ((r_ids, r_why), (o_ids, o_why)) in enumerate(zip(reference, out)):
