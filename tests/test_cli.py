@@ -119,6 +119,12 @@ BAD_INPUT = {
                         "bad.jsonl:1: seed must be in [0, 2**63) and an integer, got True"),
     "jsonl-top-k-true": (["--model", "tiny", "--prompts-file",
                           'FILE:{"prompt": "a", "top_k": true}'], "bad.jsonl:1: top_k must be"),
+    "constraint-cannot-finish": (["--model", "tiny", "--prompts-file", 'FILE:{"prompt": "'
+                                  + "a " * 1000 + '", "constraint": {"box": {"min": 0, '
+                                  '"max": 1, "decimals": 3}}}'], "could not finish"),
+    "constraint-decimals": (["--model", "tiny", "--prompts-file",
+                             'FILE:{"prompt": "a", "constraint": {"point": {"min": 0, "max": 1, '
+                             '"decimals": 1000000}}}'], "at most 60 are computed exactly"),
     "unknown-model": (["--model", "no-such-model", "a b c"], "unknown model 'no-such-model'"),
     "jsonl-unknown-key": (["--model", "tiny", "--prompts-file",
                            'FILE:{"prompt": "a", "tmperature": 1}'],
