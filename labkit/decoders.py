@@ -40,12 +40,12 @@ def deferred_interrupts(engine: Engine):
     The first SIGINT only marks the engine (`interrupt_pending`); the loop raises
     KeyboardInterrupt at its next `between_steps`, and the loop's `finally` settles the step
     in flight. A second SIGINT raises at once (a way out of a device that hangs), which is safe
-    where the host spends its time: waiting for a copy. Only in the main thread, and only
-    where Python's default handler is in place.
+    where the host spends its time: waiting for a copy. Only in the main thread; whatever
+    handler was in place (Python's, Jupyter's) is restored afterwards.
     """
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield  # not ours to defer: SIGINT ignored or left to the OS
         return
 
     def handler(signum, frame):
@@ -60,7 +60,7 @@ def deferred_interrupts(engine: Engine):
         engine.interrupt_pending = False  # the run ends with this error; a Ctrl-C is moot
         raise
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, previous)
     if engine.interrupt_pending:  # it came after the last step: still the caller's Ctrl-C
         engine.interrupt_pending = False
         raise KeyboardInterrupt

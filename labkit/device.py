@@ -144,9 +144,11 @@ def split_cpus() -> tuple[set[int], set[int]] | None:
 
 
 _LANES = ("compute", "copy")
-# "recv": the device taking a command in (transit from the moment the device was free, and
-# unpickling); "unpack": turning constraint masks sent as bits into tensors. Both are the
-# device's own per-step overhead, booked as device time beside forward and sample.
+# "recv": the device reading and unpickling a command that has arrived; "unpack": turning
+# constraint masks sent as bits into tensors. Both are the device's own per-step overhead,
+# booked as device time (compute lane) beside forward and sample. The wake-up latency before a
+# command arrives at an idle device is not device work: it is the gap between the host's launch
+# span and the "recv" span, part of the bubble.
 _OPS = ("forward", "sample", "copy", "recv", "unpack")
 _STATUS_OPS = (*_OPS, "fault", "stall")  # what the device says it is doing (the last two: tests)
 _TRACE_CAP = 1 << 16  # spans kept per lane (a ring)
@@ -200,13 +202,15 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     try:
         while True:
             status_np[:3] = (-1, -1, free_since)
+            compute_rx.poll(None)  # idle until a command is there
+            arrived = time.perf_counter()
             cmd = compute_rx.recv()
             got = time.perf_counter()
             if cmd is None:
                 return
-            op, slot, step, payload, sent = cmd
+            op, slot, step, payload = cmd
             status_np[:3] = (_STATUS_OPS.index(op), step, got)
-            record(0, 3, step, max(sent, free_since), got)  # "recv"
+            record(0, 3, step, arrived, got)  # "recv": read and unpickle the command
             if op == "forward":
                 plans[slot] = payload
                 logits[slot] = runner.forward(payload)
@@ -378,7 +382,7 @@ class ProcessDevice(Device):
     # -- the four launches ---------------------------------------------------------------------
 
     def launch_forward(self, slot: int, plan: StepPlan) -> None:
-        self._send(("forward", slot, plan.step, plan, time.perf_counter()))
+        self._send(("forward", slot, plan.step, plan))
 
     def _mask_payload(self, allowed: dict[int, torch.Tensor]) -> dict:
         """Each row's mask as (content key, bits or None if the device holds it already)."""
@@ -408,7 +412,7 @@ class ProcessDevice(Device):
         payload = self._mask_payload(allowed) if allowed else None
         self._slot_step[slot] = plan.step
         # the device kept the slot's plan from the forward: only the masks travel
-        self._send(("sample", slot, plan.step, payload, time.perf_counter()))
+        self._send(("sample", slot, plan.step, payload))
 
     def launch_copy(self, slot: int) -> None:
         """Nothing to send: the sample writes the slot's host buffer itself (see the module)."""
@@ -448,7 +452,7 @@ class ProcessDevice(Device):
     def inject(self, what: str, arg=None) -> None:
         """Tests: make the device fail ("fault") or stop answering for `arg` s ("stall")."""
         assert what in ("fault", "stall"), what
-        self._send((what, 0, -1, arg, time.perf_counter()))
+        self._send((what, 0, -1, arg))
 
     @property
     def masks_held(self) -> int:
