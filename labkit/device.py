@@ -175,6 +175,7 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     thread waiting for its turn on the device's one core delayed the event by a whole forward.)
     """
     import traceback
+    from multiprocessing.reduction import ForkingPickler
 
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -202,9 +203,9 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     try:
         while True:
             status_np[:3] = (-1, -1, free_since)
-            compute_rx.poll(None)  # idle until a command is there
+            raw = compute_rx.recv_bytes()  # idle until a command has arrived
             arrived = time.perf_counter()
-            cmd = compute_rx.recv()
+            cmd = ForkingPickler.loads(raw)  # what Connection.recv does, timed apart
             got = time.perf_counter()
             if cmd is None:
                 return
