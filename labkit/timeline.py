@@ -122,7 +122,8 @@ class Timeline:
         t0 = min(s.t0 for s in spans)
         t1 = max(s.t1 for s in spans)
         lanes = ["copy", "compute", "host"]
-        colors = {"forward": "tab:blue", "sample": "tab:cyan", "copy": "tab:purple",
+        colors = {"forward": "tab:blue", "sample": "tab:cyan", "recv": "slategray",
+                  "unpack": "lightsteelblue", "copy": "tab:purple",
                   "plan": "gold", "decode": "tab:orange", "prefill": "tab:brown",
                   "mixed": "chocolate",
                   "commit": "tab:red", "wait": "lightgray"}
