@@ -13,6 +13,7 @@ COMMANDS = {
     "generate": ("labkit.cli", "generate_main", "generate text with the engine"),
     "info": ("labkit.cli", "info_main", "versions, threads, device, model cache"),
     "bench": ("labkit.bench", "main", "benchmarks: `bench generate`, `bench decode`"),
+    "eval": ("labkit.eval_ppl", "main", "evaluate a model: `eval ppl` (perplexity on a text)"),
     "roofline": ("labkit.roofline", "main", "roofline analysis of a model on a device"),
 }
 

@@ -302,6 +302,8 @@ def decode_main(argv: list[str]) -> int:
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (generate_main, "labkit against transformers' generate, tokens/s"),
     "decode": (decode_main, "blocking against pipelined decoding, ms per step"),
+    "quant": (lambda argv: __import__("labkit.bench_quant").bench_quant.main(argv),
+              "fp32 against int8/int4 weights: step ms, tokens/s, NLL"),
 }
 
 

@@ -196,7 +196,9 @@ class LlamaModel(nn.Module):
         if logit_rows is not None:
             x = x[logit_rows]
         x = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
-        return x @ self.head_weight.t()  # [R, V]
+        if self.lm_head is not None:  # untied, or a quantized head (labkit.quant)
+            return self.lm_head(x)  # [R, V]
+        return x @ self.embed.weight.t()  # [R, V]
 
 
 def init_random(model: LlamaModel, seed: int = 0) -> LlamaModel:
