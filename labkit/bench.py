@@ -299,11 +299,17 @@ def decode_main(argv: list[str]) -> int:
     return int(importlib.import_module("labkit.bench_decode").main(argv) or 0)
 
 
+def quant_main(argv: list[str]) -> int:
+    """`python -m labkit bench quant`: fp32 against int8/int4 weights (labkit.bench_quant)."""
+    from labkit.bench_quant import main as bench_quant_main
+
+    return bench_quant_main(argv)
+
+
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (generate_main, "labkit against transformers' generate, tokens/s"),
     "decode": (decode_main, "blocking against pipelined decoding, ms per step"),
-    "quant": (lambda argv: __import__("labkit.bench_quant").bench_quant.main(argv),
-              "fp32 against int8/int4 weights: step ms, tokens/s, NLL"),
+    "quant": (quant_main, "fp32 against int8/int4 weights: step ms, tokens/s, NLL"),
 }
 
 
