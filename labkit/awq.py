@@ -63,6 +63,11 @@ def search_scale(x: torch.Tensor, weights: list[torch.Tensor], scheme: QuantSche
     return best, best_err, rtn_err
 
 
+def awq_scale(x: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The AWQ input-channel scales s [K] for one int4-g`group_size` linear w [N, K] reading x."""
+    return search_scale(x, [w], QuantScheme(4, group_size))[0]
+
+
 @torch.inference_mode()
 def apply_awq(model: nn.Module, scheme: QuantScheme, calib_ids: torch.Tensor,
               max_rows: int = 256, head_rows: int = 64) -> dict[str, tuple[float, float]]:

@@ -27,7 +27,7 @@ def stub(module: str, name: str) -> Callable:
 
 def solutions() -> dict[str, Callable]:
     """Exercise name -> the function the graders check (learner's or labkit's)."""
-    from labkit import model, roofline, sampling, sequence
+    from labkit import awq, model, quant, roofline, sampling, sequence
 
     return {
         # chapter 00
@@ -40,6 +40,12 @@ def solutions() -> dict[str, Callable]:
                                   roofline.decode_step_flops),
         "decode_step_bytes": pick("ch01_roofline", "decode_step_bytes",
                                   roofline.decode_step_bytes),
+        # chapter 03
+        "quantize_int8": pick("ch03_quantization", "quantize_int8", quant.quantize_int8),
+        "dequantize_int8": pick("ch03_quantization", "dequantize_int8", quant.dequantize_int8),
+        "pack_int4": pick("ch03_quantization", "pack_int4", quant.pack_int4),
+        "unpack_int4": pick("ch03_quantization", "unpack_int4", quant.unpack_int4),
+        "awq_scale": pick("ch03_quantization", "awq_scale", awq.awq_scale),
         # chapter 07
         "commit_row": pick("ch07_pipelined", "commit_row", sequence.commit_row),
         "can_release": pick("ch07_pipelined", "can_release", sequence.can_release),
