@@ -189,8 +189,8 @@ def _agree_until_eos(ours: list[int], theirs: list[int], eos: int) -> bool:
 
 
 def bench_generate(streams: int = 32, threads: int | None = None, model: str = "smollm2-135m",
-                   quick: bool = False, rounds: int = 1, log: Callable[[str], None] = print
-                   ) -> dict:
+                   quick: bool = False, rounds: int = 1, log: Callable[[str], None] = print,
+                   quant: str | None = None) -> dict:
     """labkit against transformers on the same requests; throughput of each and the ratio."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -203,7 +203,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
     torch.set_num_threads(threads)
     if quick:
         streams = min(streams, 8)
-    m, tok = load_model(model)
+    m, tok = load_model(model, quant=quant)
     if model == "smollm2-135m":
         hf = hf_reference_model()
     elif Path(model).is_dir():
@@ -242,7 +242,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
         "ratio": rate["labkit"] / rate[hf_best], "streams": streams, "threads": threads,
         "tokens": totals["labkit"][1] // rounds, "rounds": rounds, "hf_batching": hf_best,
         "hf_grouped_tok_s": rate["grouped"], "hf_padded_tok_s": rate["padded"],
-        "same_tokens_as_hf": agree, "model": model,
+        "same_tokens_as_hf": agree, "model": model, "quant": quant or "none",
         "torch": torch.__version__,
     }
 
@@ -259,8 +259,16 @@ def generate_main(argv: list[str]) -> int:
                    help="smollm2-135m or a Hugging Face checkpoint directory")
     p.add_argument("--rounds", type=int, default=1, help="timed runs of each, alternating")
     p.add_argument("--quick", action="store_true", help="8 requests, 4-16 new tokens each")
+    p.add_argument("--quant", default="none", help="labkit's weights: none, int8, "
+                   "int4[-gN][-awq] (transformers stays fp32)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
+    from labkit.quant import QuantScheme
+
+    try:
+        scheme = QuantScheme.parse(args.quant)
+    except ValueError as err:
+        p.error(f"--quant: {err}")
     if not 1 <= args.streams <= len(INSTRUCTIONS):
         p.error(f"--streams must be in 1..{len(INSTRUCTIONS)}")
     if args.threads is not None and args.threads < 1:
@@ -272,7 +280,8 @@ def generate_main(argv: list[str]) -> int:
         f"greedy, {args.threads or torch.get_num_threads()} torch threads, "
         f"{os.cpu_count()} cores")
     try:
-        res = bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds, log)
+        res = bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds, log,
+                             scheme.name if scheme else None)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

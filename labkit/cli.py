@@ -36,6 +36,8 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, or a path")
     p.add_argument("--decoder", choices=("blocking", "pipelined"), default="blocking")
+    p.add_argument("--quant", default="none",
+                   help="weights: none, int8, int4[-gN][-awq] (labkit.quant)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per request on stdout, in input order")
     return p
@@ -99,11 +101,16 @@ def _generate(args) -> int:
         except (ValueError, TypeError) as err:
             raise UsageError(f"{r['where']}: {err}") from None
     import labkit
+    from labkit.quant import QuantScheme
     from labkit.scheduler import RequestError
 
+    try:
+        scheme = QuantScheme.parse(args.quant)
+    except ValueError as err:
+        raise UsageError(f"--quant: {err}") from None
     t0 = time.perf_counter()
     try:
-        engine = labkit.get_engine(args.model)
+        engine = labkit.get_engine(args.model, quant=scheme.name if scheme else None)
     except (ValueError, RuntimeError, OSError) as err:
         raise UsageError(str(err)) from None
     load_s = time.perf_counter() - t0
@@ -141,7 +148,7 @@ def _generate(args) -> int:
     ttft = sorted(o.ttft_s for o in outs)[len(outs) // 2]
     print(f"[labkit] {len(outs)} requests, {n_tok} tokens in {gen_s:.2f} s "
           f"({n_tok / gen_s:.1f} tok/s), median time to first token {ttft * 1e3:.0f} ms, "
-          f"model load {load_s:.1f} s, decoder {args.decoder}", file=sys.stderr)
+          f"model load {load_s:.1f} s, decoder {args.decoder}, quant {args.quant}", file=sys.stderr)
     return 0
 
 

@@ -207,3 +207,20 @@ def test_quant_linear_on_cuda_matches_the_reference(spec):
     ql._build_kernel_layout()  # the CUDA kernel's own layout
     got = ql(x.cuda()).cpu()
     assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+
+def test_generate_and_bench_quant_take_the_flag():
+    import json
+
+    r = run_cli("generate", "--model", "tiny", "--quant", "int4-g64", "--max-new-tokens", "3",
+                "--json", "Hello")
+    assert r.returncode == 0 and "quant int4-g64" in r.stderr, r.stderr
+    r = run_cli("generate", "--model", "tiny", "--quant", "int5", "Hello")
+    assert r.returncode == 2 and "--quant" in r.stderr
+    r = run_cli("bench", "quant", "--model", "tiny", "--schemes", "int8", "--batches", "1",
+                "--rounds", "1", "--steps", "2", "--gen-tokens", "4", "--nll-tokens", "64",
+                "--json")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["quant"] for row in rows] == ["none", "int8"]
+    assert rows[1]["weight_bytes"] < rows[0]["weight_bytes"] / 3
