@@ -9,7 +9,9 @@ For each scheme (fp32 first, then `--schemes`), one row per batch size:
   `speedup_vs_fp32` is the median over rounds of fp32's turn / its turn in the same round;
 - `tok_s_single_stream`: one greedy request of `--gen-tokens` tokens through the engine
   (the whole step: sampling, commit, detokenizing), also in alternating turns;
-- `nll`, `nll_delta_pct`: mean token NLL on the start of the default text (labkit.eval_ppl).
+- `nll`, `nll_delta_pct`: mean token NLL on the start of the default text (labkit.perplexity).
+
+Every model, fp32 included, runs with q/k/v and gate/up fused (`--no-fuse`: separate linears).
 
 The roofline prediction for a batch-1 step is fp32's weight bytes over the scheme's: what the
 step would gain if it were all weight reads; the per-op overhead of ~15 eager ops per layer
@@ -79,12 +81,13 @@ def _ratios(base: list[float], other: list[float]) -> float:
 
 def bench_quant(model_name: str = "smollm2-135m", schemes: list[str] | None = None,
                 batches: tuple[int, ...] = (1, 32), rounds: int = 5, steps: int = 10,
-                gen_tokens: int = 32, nll_tokens: int = 1024, log=print) -> list[dict]:
+                gen_tokens: int = 32, nll_tokens: int = 1024, log=print, fuse: bool = True
+                ) -> list[dict]:
     """Rows {quant, batch, weight_bytes, step_ms, speedup_vs_fp32, tok_s_single_stream, nll,
     nll_delta_pct, predicted_speedup} for fp32 and each scheme."""
     import labkit
-    from labkit.eval_ppl import default_text, nll
     from labkit.loading import load_model
+    from labkit.perplexity import default_text, nll
     from labkit.quant import QuantScheme, weight_bytes
     from labkit.sampling import SamplingParams
 
@@ -93,7 +96,7 @@ def bench_quant(model_name: str = "smollm2-135m", schemes: list[str] | None = No
     models = {}
     for n in names:
         t0 = time.perf_counter()
-        models[n], tok = load_model(model_name, quant=None if n == "none" else n)
+        models[n], tok = load_model(model_name, quant=None if n == "none" else n, fuse=fuse)
         log(f"  loaded {model_name} quant={n} in {time.perf_counter() - t0:.1f} s")
     ids = torch.tensor(tok.encode(default_text())[:nll_tokens])
     nlls = {}
@@ -125,7 +128,7 @@ def bench_quant(model_name: str = "smollm2-135m", schemes: list[str] | None = No
                 "tok_s_single_stream": tok_s,
                 "gen_speedup_vs_fp32": _ratios(gen_turns["none"], gen_turns[n]),
                 "nll": nlls[n], "nll_delta_pct": 100 * (nlls[n] / nlls["none"] - 1),
-                "model": model_name, "threads": torch.get_num_threads(),
+                "model": model_name, "threads": torch.get_num_threads(), "fused": fuse,
                 "rounds": rounds, "nll_tokens": len(ids) - 1})
     return rows
 
@@ -143,6 +146,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gen-tokens", type=int, default=32, help="tokens of the single stream")
     p.add_argument("--nll-tokens", type=int, default=1024, help="tokens of text scored")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="keep q/k/v and gate/up as separate linears in every model")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     args = p.parse_args(argv)
     try:
@@ -153,7 +158,7 @@ def main(argv: list[str]) -> int:
             torch.set_num_threads(args.threads)
         log = (lambda s: print(s, file=sys.stderr)) if args.json else print
         rows = bench_quant(args.model, args.schemes.split(","), batches, args.rounds, args.steps,
-                           args.gen_tokens, args.nll_tokens, log)
+                           args.gen_tokens, args.nll_tokens, log, not args.no_fuse)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -167,7 +172,8 @@ def main(argv: list[str]) -> int:
         print(f"{r['quant']:<14} {r['batch']:>5} {r['weight_bytes'] / 1e6:>9.1f} "
               f"{r['step_ms']:>8.2f} {r['speedup_vs_fp32']:>7.2f}x {r['predicted_speedup']:>8.2f}x "
               f"{r['tok_s_single_stream']:>8.1f} {r['nll']:>7.4f} {r['nll_delta_pct']:>+7.2f}")
-    print(f"{rows[0]['model']}, {rows[0]['threads']} torch threads; speedups are medians over "
-          f"{args.rounds} rounds of turn-against-turn ratios; predicted = fp32 weight bytes / "
-          "the scheme's (a step made only of weight reads)")
+    print(f"{rows[0]['model']}, {rows[0]['threads']} torch threads, "
+          f"{'fused' if rows[0]['fused'] else 'separate'} q/k/v and gate/up; speedups are "
+          f"medians over {args.rounds} rounds of turn-against-turn ratios; predicted = fp32 "
+          "weight bytes / the scheme's (a step made only of weight reads)")
     return 0

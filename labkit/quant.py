@@ -199,6 +199,23 @@ class QuantLinear(nn.Module):
             ql.set_codes(pack_int4(q), s, z)
         return ql
 
+    @classmethod
+    def concat(cls, parts: list[QuantLinear]) -> QuantLinear:
+        """One QuantLinear whose output rows are those of `parts` in order (same input, same
+        scheme): every output row is rounded on its own, so the codes simply stack."""
+        first = parts[0]
+        if any(p.scheme != first.scheme or p.in_features != first.in_features for p in parts):
+            raise ValueError("QuantLinear.concat: the parts must share the scheme and the input")
+        biases = [p.bias for p in parts]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            raise ValueError("QuantLinear.concat: either every part has a bias or none does")
+        bias = None if biases[0] is None else torch.cat(biases)
+        fused = cls(first.in_features, sum(p.out_features for p in parts), first.scheme, bias)
+        zero = None if first.scheme.bits == 8 else torch.cat([p.zero for p in parts])
+        fused.set_codes(torch.cat([p.qweight for p in parts]),  # [sum N, K] or [sum N, K/2]
+                        torch.cat([p.scale for p in parts]), zero)
+        return fused
+
     def set_codes(self, qweight: torch.Tensor, scale: torch.Tensor,
                   zero: torch.Tensor | None = None) -> None:
         """Install canonical codes (fresh or from the cache) and build the kernel's layout."""
@@ -282,6 +299,9 @@ def _scales_and_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
 
 def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, linear) for every projection of a LlamaModel, and its output head."""
+    if any(layer.qkv_proj is not None for layer in model.layers):
+        raise ValueError("quantize a model before fuse_projections, not after: the scales and "
+                         "the cache are per projection")
     out = [(layer, attr, getattr(layer, attr)) for layer in model.layers for attr in PROJECTIONS]
     if isinstance(model.lm_head, nn.Linear):
         out.append((model, "lm_head", model.lm_head))
@@ -297,23 +317,18 @@ def untie_head(model: nn.Module) -> None:
         model.lm_head = head
 
 
-def quantize_model(model: nn.Module, scheme: QuantScheme | str,
-                   calib_ids: torch.Tensor | None = None) -> nn.Module:
+def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
     """Replace every projection and the output head by a QuantLinear, in place; returns model.
 
-    The embedding stays exact. A tied head gets its own quantized copy of the matrix.
-    AWQ schemes need `calib_ids` [T]: the calibration text's tokens.
+    Round to nearest. The embedding stays exact; a tied head gets its own quantized copy of the
+    matrix. An AWQ scheme rounds the weights as they are: labkit.awq.quantize_awq folds its
+    scales in first (it imports this module, never the other way round).
     """
     scheme = QuantScheme.parse(scheme)
     if scheme is None:
         return model
+    _linears(model)  # refuses a fused model before anything changes
     untie_head(model)
-    if scheme.awq:
-        if calib_ids is None:
-            raise ValueError(f"{scheme.name} searches scales on calibration text: pass calib_ids")
-        from labkit.awq import apply_awq
-
-        apply_awq(model, scheme, calib_ids)
     for parent, attr, lin in _linears(model):
         setattr(parent, attr, QuantLinear.from_weight(lin.weight.detach(), scheme, lin.bias))
     return model.eval().requires_grad_(False)

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from labkit.awq import apply_awq, search_scale
-from labkit.eval_ppl import CausalAttention
+from labkit.awq import apply_awq, quantize_awq, search_scale
 from labkit.loading import load_model
 from labkit.model import LlamaModel, ModelConfig, init_random
+from labkit.perplexity import CausalAttention
 from labkit.quant import (
     QuantLinear,
     QuantScheme,
@@ -137,9 +137,26 @@ def test_awq_scale_search_beats_rtn_on_an_outlier_channel():
 @pytest.mark.parametrize("spec", ["int8", "int4-g64-awq"])
 def test_quantized_state_round_trips(spec):
     ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(6))
-    model = quantize_model(tiny_model(), spec, calib_ids=ids)
+    scheme = QuantScheme.parse(spec)
+    model = (quantize_awq(tiny_model(), scheme, ids) if scheme.awq
+             else quantize_model(tiny_model(), scheme))
     again = load_quantized(tiny_model(), QuantScheme.parse(spec), quantized_state(model))
     assert torch.equal(logits(again, ids), logits(model, ids))
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4-g32"])
+def test_fused_projections_give_the_same_logits(spec):
+    # q|k|v and gate|up stacked into one QuantLinear each: every output row is rounded on its
+    # own, so the fused model computes the same numbers with 3 fewer linear calls a layer
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(8))
+    model = quantize_model(tiny_model(), spec)
+    want = logits(model, ids)
+    model.fuse_projections()
+    assert isinstance(model.layers[0].qkv_proj, QuantLinear) and not hasattr(model.layers[0],
+                                                                            "q_proj")
+    torch.testing.assert_close(logits(model, ids), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="before fuse_projections"):
+        quantize_model(model, spec)
 
 
 @pytest.mark.parametrize("spec", ["int8", "int4"])
@@ -147,7 +164,7 @@ def test_quantized_engine_gives_the_same_tokens_on_both_decoders(spec):
     from labkit import Engine
     from labkit.sampling import SamplingParams
 
-    model, tok = load_model("tiny", quant=spec)
+    model, tok = load_model("tiny", quant=spec, fuse=True)
     prompts = [[5, 9, 200, 7], [100, 3], [42] * 9]
     outs = {}
     for device in ("inprocess", "process"):
