@@ -190,26 +190,30 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def test_eval_ppl_refuses_bad_files_with_one_line(tmp_path):
+def test_eval_ppl_refuses_bad_files_with_one_line(tmp_path, capsys):
+    # in process (each `python -m labkit` costs seconds of imports): main() is what it runs
+    from labkit.eval_ppl import main
+
     empty, binary = tmp_path / "empty.txt", tmp_path / "x.bin"
     empty.write_text("  \n")
     binary.write_bytes(b"\x00\x01\x02abc")
     for path, why in [(tmp_path / "missing.txt", "no such file"), (empty, "empty"),
                       (binary, "not a text file")]:
-        r = run_cli("eval", "ppl", "--file", str(path), "--model", "tiny")
-        assert r.returncode == 2 and why in r.stderr, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert main(["ppl", "--file", str(path), "--model", "tiny"]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_eval_ppl_scores_a_text_quantized(tmp_path):
+def test_eval_ppl_scores_a_text_quantized(tmp_path, capsys):
     import json
+
+    from labkit.eval_ppl import main
 
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
-    r = run_cli("eval", "ppl", "--file", str(text), "--model", "tiny", "--quant", "int8",
-                "--window", "64", "--stride", "32", "--json")
-    assert r.returncode == 0, r.stderr
-    row = json.loads(r.stdout)
+    assert main(["ppl", "--file", str(text), "--model", "tiny", "--quant", "int8",
+                 "--window", "64", "--stride", "32", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
     assert row["quant"] == "int8" and row["tokens"] > 100 and row["ppl"] > 1
 
 
@@ -226,18 +230,20 @@ def test_quant_linear_on_cuda_matches_the_reference(spec):
     assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
 
 
-def test_generate_and_bench_quant_take_the_flag():
+def test_generate_and_bench_quant_take_the_flag(capsys):
     import json
+
+    from labkit.bench_quant import main as bench_quant_main
+    from labkit.cli import generate_main
 
     r = run_cli("generate", "--model", "tiny", "--quant", "int4-g64", "--max-new-tokens", "3",
                 "--json", "Hello")
     assert r.returncode == 0 and "quant int4-g64" in r.stderr, r.stderr
-    r = run_cli("generate", "--model", "tiny", "--quant", "int5", "Hello")
-    assert r.returncode == 2 and "--quant" in r.stderr
-    r = run_cli("bench", "quant", "--model", "tiny", "--schemes", "int8", "--batches", "1",
-                "--rounds", "1", "--steps", "2", "--gen-tokens", "4", "--nll-tokens", "64",
-                "--json")
-    assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert generate_main(["--model", "tiny", "--quant", "int5", "Hello"]) == 2
+    assert "--quant" in capsys.readouterr().err
+    assert bench_quant_main(["--model", "tiny", "--schemes", "int8", "--batches", "1",
+                             "--rounds", "1", "--steps", "2", "--gen-tokens", "4",
+                             "--nll-tokens", "64", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [row["quant"] for row in rows] == ["none", "int8"]
     assert rows[1]["weight_bytes"] < rows[0]["weight_bytes"] / 3
