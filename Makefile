@@ -35,9 +35,10 @@ test: setup
 	$(BIN)/python -m pytest -q tests/
 	LABKIT_QUICK=1 $(BIN)/python -m pytest -q --nbval-lax notebooks/
 
-# Grade your own answers in exercises/ (the same tests that grade labkit's solutions).
+# Grade your own answers in exercises/ (the same graders that check labkit's solutions): one
+# line per exercise, passed, not attempted, or what is wrong.
 grade: setup
-	LABKIT_EXERCISES=1 $(BIN)/python -m pytest -q tests/test_exercises.py
+	$(BIN)/python -m labkit grade
 
 lint: setup
 	$(BIN)/ruff check .

@@ -38,3 +38,27 @@ def can_release(seq) -> bool:
     `Sequence.can_release` in labkit/sequence.py.
     """
     raise NotImplementedError("can_release: see the docstring for the task")
+
+
+def run_pipelined(engine) -> None:
+    """Write the pipelined decode loop from the engine's step pieces; run until every request
+    has finished, one step always in flight.
+
+    Each iteration: call `engine.between_steps()`; stop when nothing is in flight and
+    `engine.scheduler.idle()`. Then:
+
+    1. **launch t+1**: `nxt = engine.plan_step()` (one launch: a decode row for every live
+       sequence plus prefill chunks of new arrivals, under the step's token budget; None when
+       nothing can run) and, if there is one,
+       `engine.launch(nxt, slot)` into the slot step t is *not* using (0 for the first launch,
+       then `1 - prev.slot`);
+    2. **commit t**: if a step `prev` is in flight, `engine.commit(prev,
+       engine.wait_tokens(prev))`;
+    3. **finish sampling t+1**: `engine.finish_sampling(nxt)`, after commit t, so that
+       constrained rows are masked with the state that commit produced.
+
+    Then `prev = nxt`. The grader checks the tokens against the blocking loop, that step t+1
+    is launched before step t's tokens are read, the slots, and when pages come back.
+    labkit's version: labkit/decode_pipelined.py::run_pipelined.
+    """
+    raise NotImplementedError("run_pipelined: see the docstring for the task")

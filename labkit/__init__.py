@@ -64,11 +64,13 @@ def generate(prompts, params: SamplingParams | list[SamplingParams] | None = Non
             ids = list(prompt)
         if not ids:
             raise RequestError(f"prompt {i} is empty")
-        engine.scheduler.check_request(ids, params_list[i].max_new_tokens)
         constraint = None
         if spec is not None:
             from labkit.constraints_json import parse_constraint
             constraint = parse_constraint(spec, engine.vocab)
+        # what submit will check, the constraint's raised cap included: nothing is queued
+        # unless every request can run
+        engine.check(ids, params_list[i] or SamplingParams(), constraint)
         encoded.append((ids, constraint))
     index_of = {}
     for i, ((ids, constraint), p) in enumerate(zip(encoded, params_list)):

@@ -15,6 +15,7 @@ COMMANDS = {
     "bench": ("labkit.bench", "main", "benchmarks: `bench generate`, `bench decode`"),
     "roofline": ("labkit.cli", "roofline_main", "roofline analysis of a model on a device"),
     "serve": ("labkit.server", "serve_main", "an OpenAI-compatible HTTP server over the engine"),
+    "grade": ("labkit.check", "main", "grade your answers in exercises/, one line each"),
 }
 
 

@@ -8,14 +8,16 @@ ms per step measured in steady state (launch to launch); the table reports means
 pairs, in the shape of Photon's table. Turns, not whole runs, because a shared machine changes
 speed within seconds: two runs a second apart can differ by more than the pipeline wins.
 
-From the blocking turn of each pair come the two terms of the cost model: T_device (the
-device's forward + sample per step) and T_host (everything else a blocking step costs: commit,
-plan, launch, and the round trip), so the pipeline can at best turn `T_host + T_device` into
-`max(T_host, T_device)`:
+From the blocking turn of each pair come the terms of the cost model, each booked where it is
+spent: T_host (the host's own work per step: plan, launch, sample launch, commit, from its
+spans), T_device (the device's forward and sample, from its spans) and T_other (the rest of the
+blocking step: the round trips between them, command, wake-up, copy). The pipeline can at best
+turn the whole blocking step into `max(T_host, T_device)`:
 
-    predicted speedup = (T_host + T_device) / max(T_host, T_device)
+    predicted speedup = (T_host + T_device + T_other) / max(T_host, T_device)
+    gain share        = (speedup - 1) / (predicted - 1)
 
-"of predicted" is measured speedup / predicted speedup. The zombie tax
+The gain share is how much of the predicted gain the pipeline delivered. The zombie tax
 is the share of decode rows a whole pipelined run spent on sequences that had already finished
 (one per sequence: 1/110 at one stream for 110-token sequences).
 """
@@ -45,9 +47,37 @@ PROMPTS = ["Name three uses of a paperclip.", "Why is the sky blue?", "Describe 
            "Suggest a name for a cat.", "How do birds navigate?"]
 
 
-def predicted_speedup(t_host: float, t_device: float) -> float:
-    """The cost model: a blocking step costs T_host + T_device, a pipelined one the larger."""
-    return (t_host + t_device) / max(t_host, t_device)
+def predicted_speedup(t_host: float, t_device: float, t_other: float = 0.0) -> float:
+    """The cost model: a blocking step costs T_host + T_device (+ the round trips between
+    them, T_other), a pipelined one at best the larger of T_host and T_device."""
+    return (t_host + t_device + t_other) / max(t_host, t_device)
+
+
+def gain_share(speedup: float, predicted: float) -> float:
+    """The share of the predicted gain a pipeline delivered: (speedup - 1) / (predicted - 1).
+
+    1 when it won all the cost model promised, 0 when it won nothing, negative when it lost;
+    nan when nothing was predicted. Not speedup / predicted: +50% against +84% is 0.60 of the
+    gain, while the ratio 1.50 / 1.84 = 0.82 would credit a pipeline that gains nothing 0.54.
+    """
+    return (speedup - 1) / (predicted - 1) if predicted > 1 + 1e-9 else float("nan")
+
+
+def cost_model(launch_s: list[float], host_s: list[float],
+               device_s: list[float]) -> tuple[float, float, float]:
+    """(T_host, T_device, predicted speedup) of a blocking run, from its measured spans.
+
+    launch_s: when each consecutive decode step was launched [n]; host_s: the host's own work
+    (plan, launch, sample launch, commit; not the wait) in each of those steps [n]; device_s:
+    the device's busy time in each [n]. The n - 1 launch-to-launch periods begin at the first
+    n - 1 launches, whose means are T_host and T_device. A blocking step is the whole period:
+    host work, device work and the round trips between them; a perfect pipeline overlaps all
+    of it but the longer term, so it predicts period / max(T_host, T_device).
+    """
+    n = len(launch_s) - 1  # periods between launches
+    t_step = (launch_s[-1] - launch_s[0]) / n
+    t_host, t_device = sum(host_s[:n]) / n, sum(device_s[:n]) / n
+    return t_host, t_device, t_step / max(t_host, t_device)
 
 
 def decode_ms_per_step(timeline) -> tuple[float, float, int]:
@@ -100,23 +130,32 @@ def run_once(engine, prompt_ids: list[list[int]], tokens: int, decoder: str,
             "timeline": tl}
 
 
-def steady_ms_per_step(timeline, skip: int = 2) -> tuple[float, float] | None:
-    """(wall ms, device ms) per decode step of one segment, in its steady state.
+HOST_WORK = ("plan", "prefill", "decode", "sample", "commit")  # host spans that are work
 
-    The period between consecutive decode launches, after the first `skip` periods: a
-    pipelined segment starts empty (its first step overlaps nothing) and needs two launches to
-    fill. Device ms: the compute spans of the steps those periods begin. None if the segment
-    is too short to have a steady state.
+
+def steady_ms_per_step(timeline, skip: int = 2) -> tuple[float, float, float] | None:
+    """(wall ms, host work ms, device ms) per decode step of one segment, in steady state.
+
+    Wall: the period between consecutive decode launches, after the first `skip` periods (a
+    pipelined segment starts empty and needs two launches to fill). Host work: the host's own
+    spans (plan, launch, sample launch, commit; not its waits) of the steps those periods
+    begin; device: the device's forward and sample spans of the same steps. None if the
+    segment is too short to have a steady state.
     """
-    launches = [s.t0 for s in timeline.lane("host") if s.label == "decode"]
-    steps = [s.step for s in timeline.lane("host") if s.label == "decode"]
-    if len(launches) < skip + 2:
+    decodes = [s for s in timeline.lane("host") if s.label == "decode"]
+    if len(decodes) < skip + 2:
         return None
-    periods = [b - a for a, b in zip(launches[skip:], launches[skip + 1:])]
-    counted = set(steps[skip:-1])
-    device = sum(s.duration for s in timeline.lane("compute") if s.step in counted)
-    n = len(periods)
-    return sum(periods) / n * 1e3, device / n * 1e3
+    launches = [s.t0 for s in decodes[skip:]]
+    counted = [s.step for s in decodes[skip:-1]]
+
+    def per_step(lane, labels=None):
+        return [sum(s.duration for s in timeline.lane(lane)
+                    if s.step == step and (labels is None or s.label in labels))
+                for step in counted] + [0.0]  # the last launch begins no counted period
+
+    t_host, t_device, _ = cost_model(launches, per_step("host", HOST_WORK), per_step("compute"))
+    n = len(launches) - 1
+    return (launches[-1] - launches[0]) / n * 1e3, t_host * 1e3, t_device * 1e3
 
 
 def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: int,
@@ -145,9 +184,10 @@ def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: i
         if a is None or b is None:  # a turn too short to time (the workload's last)
             continue
         blocking, pipelined = (a, b) if first == "blocking" else (b, a)
-        # the cost model's terms come from the blocking turn: its device time, and the rest
+        # the cost model's terms come from the blocking turn: the host's own work, the
+        # device's, and the rest (round trips: command, wake-up, copy)
         pairs.append({"blocking_ms": blocking[0], "pipelined_ms": pipelined[0],
-                      "t_device_ms": blocking[1]})
+                      "t_host_ms": blocking[1], "t_device_ms": blocking[2]})
     return pairs
 
 
@@ -187,14 +227,17 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
 
     # means over pairs (not medians), so that the row is self-consistent: speedup is exactly
     # blocking / pipelined, the prediction exactly the cost model of the T_host and T_device shown
-    blocking, pipelined, t_device = mean("blocking_ms"), mean("pipelined_ms"), mean("t_device_ms")
-    t_host = blocking - t_device
+    blocking, pipelined = mean("blocking_ms"), mean("pipelined_ms")
+    t_host, t_device = mean("t_host_ms"), mean("t_device_ms")
+    t_other = blocking - t_host - t_device
+    predicted = predicted_speedup(t_host, t_device, t_other)
     last = whole["pipelined"]
     return {
         "streams": streams, "blocking_ms": blocking, "pipelined_ms": pipelined,
         "speedup": blocking / pipelined, "t_host_ms": t_host, "t_device_ms": t_device,
-        "predicted_speedup": predicted_speedup(t_host, t_device),
-        "of_predicted": blocking / pipelined / predicted_speedup(t_host, t_device),
+        "t_other_ms": t_other, "predicted_speedup": predicted,
+        "pair_speedups": [p["blocking_ms"] / p["pipelined_ms"] for p in pairs],
+        "gain_share": gain_share(blocking / pipelined, predicted),
         "pairs": len(pairs),
         "zombie_rows": last["zombie_rows"], "zombie_tax": last["zombie_rows"] / last["rows"],
         "timelines": {d: whole[d]["timeline"] for d in whole},
@@ -276,6 +319,7 @@ def main(argv: list[str]) -> int:
         engine.close()
     for r in rows:
         r.pop("timelines")
+        r.pop("pair_speedups")
         r.update(device=hardware, model=args.model, dtype=args.dtype, tokens=args.tokens,
                  constraint=args.constraint, extra_host_ms=args.extra_host_ms,
                  attention=args.attention)
@@ -284,13 +328,14 @@ def main(argv: list[str]) -> int:
             print(json.dumps(r))
         return 0
     print(f"{'hardware':<34} {'streams':>7} {'blocking ms':>11} {'pipelined ms':>12} "
-          f"{'speedup':>8} {'T_host':>7} {'T_dev':>7} {'predicted':>9} {'of pred.':>8} "
+          f"{'speedup':>8} {'T_host':>7} {'T_dev':>7} {'T_other':>7} {'predicted':>9} "
+          f"{'gain share':>10} "
           f"{'zombie tax':>10}")
     for r in rows:
         print(f"{r['device'][:34]:<34} {r['streams']:>7} {r['blocking_ms']:>11.2f} "
               f"{r['pipelined_ms']:>12.2f} {100 * (r['speedup'] - 1):>+7.1f}% "
-              f"{r['t_host_ms']:>7.2f} {r['t_device_ms']:>7.2f} "
-              f"{100 * (r['predicted_speedup'] - 1):>+8.1f}% {100 * r['of_predicted']:>7.0f}% "
+              f"{r['t_host_ms']:>7.2f} {r['t_device_ms']:>7.2f} {r['t_other_ms']:>7.2f} "
+              f"{100 * (r['predicted_speedup'] - 1):>+8.1f}% {100 * r['gain_share']:>9.0f}% "
               f"{100 * r['zombie_tax']:>9.2f}%")
     for hw, s, b, pl, gain in PHOTON:
         print(f"{'Photon ' + hw + ' (published)':<34} {s:>7} {b:>11.2f} {pl:>12.2f} "

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 _NUMBER_PREFIX = re.compile(r"(-?)((?:0|[1-9][0-9]*)?)(\.?)([0-9]*)")
 _NUMBER_CHARS = "-.0123456789"
+EXACT_DIGITS = 60  # digits of a number (whole + decimals) that `number_alive` keeps exact
+builtins_max = max  # the constructors below name a parameter `max`
 
 
 def number_alive(prefix: str, lo: Decimal, hi: Decimal, decimals: int) -> bool:
@@ -114,6 +116,11 @@ class _NumberObject(Constraint):
             raise ConstraintError(f"{name}: min ({min}) > max ({max})")
         self.min, self.max, self.decimals = min, max, decimals
         self._lo, self._hi = Decimal(repr(min)), Decimal(repr(max))
+        digits = len(str(int(builtins_max(abs(self._lo), abs(self._hi))))) + decimals
+        if digits > EXACT_DIGITS:  # beyond it the grid arithmetic rounds, or overflows
+            raise ConstraintError(
+                f"{name}: numbers up to {builtins_max(abs(min), abs(max))} with {decimals} "
+                f"decimals need {digits} digits; at most {EXACT_DIGITS} are computed exactly")
         if not number_alive("", self._lo, self._hi, decimals):
             raise ConstraintError(
                 f"{self!r}: no number with at most {decimals} decimals lies in [{min}, {max}]")

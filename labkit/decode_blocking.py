@@ -21,16 +21,24 @@ def step_blocking(engine: Engine, launch: Launch) -> None:
 
 
 def run_blocking(engine: Engine, max_steps: int | None = None) -> None:
-    """Run until every request has finished (or until `max_steps` launches have run)."""
+    """Run until every request has finished (or until `max_steps` launches have run).
+
+    On any exception (an interrupt, a callback that raises, a device error) the step in flight
+    is finished or discarded before the exception propagates (`Engine.settle`), so the engine
+    stays usable and a later run goes on with the same tokens.
+    """
     sched = engine.scheduler
     launched = 0
-    while max_steps is None or launched < max_steps:
-        engine.between_steps()
-        if sched.idle():
-            return
-        launch = engine.plan_step()
-        if launch is None:  # nothing is in flight here, so nothing would ever change
-            raise RuntimeError("scheduler stuck: requests wait but nothing runs "
-                               "(a request larger than the pool was not refused at submit)")
-        step_blocking(engine, launch)
-        launched += 1
+    current: Launch | None = None  # the step between its plan and its commit
+    try:
+        while max_steps is None or launched < max_steps:
+            engine.between_steps()
+            if sched.idle():
+                return
+            current = engine.plan_step()
+            if current is None:  # requests, but nothing to launch and nothing in flight
+                raise engine.stuck()
+            step_blocking(engine, current)
+            launched += 1
+    finally:
+        engine.settle(current)

@@ -37,28 +37,32 @@ def run_pipelined(engine: Engine, max_steps: int | None = None) -> None:
     sched = engine.scheduler
     occupant: list[Launch | None] = [None] * NUM_SLOTS  # the uncommitted launch in each slot
     prev: Launch | None = None
+    nxt: Launch | None = None
     slot = 0
     launched = 0
-    while True:
-        engine.between_steps()
-        more = max_steps is None or launched < max_steps
-        if prev is None and (sched.idle() or not more):
-            return
-        nxt = engine.plan_step() if more else None
-        if nxt is not None:  # 1. launch t+1
-            launched += 1
-            slot = 1 - prev.slot if prev is not None else slot
-            assert occupant[slot] is None, (
-                f"slot {slot} reused by step {nxt.plan.step} while step "
-                f"{occupant[slot].plan.step} is uncommitted")  # ping-pong makes this impossible
-            occupant[slot] = nxt
-            engine.launch(nxt, slot)
-        if prev is not None:  # 2. commit t
-            tokens = engine.wait_tokens(prev)
-            engine.commit(prev, tokens)
-            occupant[prev.slot] = None
-        if nxt is not None:  # 3. finish sampling t+1 with masks from commit t's state
-            engine.finish_sampling(nxt)
-        elif prev is None and not sched.idle():
-            raise RuntimeError("scheduler stuck: requests wait but nothing runs")
-        prev = nxt
+    try:
+        while True:
+            engine.between_steps()
+            more = max_steps is None or launched < max_steps
+            if prev is None and (sched.idle() or not more):
+                return
+            nxt = engine.plan_step() if more else None
+            if nxt is not None:  # 1. launch t+1
+                launched += 1
+                slot = 1 - prev.slot if prev is not None else slot
+                assert occupant[slot] is None, (
+                    f"slot {slot} reused by step {nxt.plan.step} while step "
+                    f"{occupant[slot].plan.step} is uncommitted")  # ping-pong: impossible
+                occupant[slot] = nxt
+                engine.launch(nxt, slot)
+            if prev is not None:  # 2. commit t
+                tokens = engine.wait_tokens(prev)
+                engine.commit(prev, tokens)
+                occupant[prev.slot] = None
+            if nxt is not None:  # 3. finish sampling t+1 with masks from commit t's state
+                engine.finish_sampling(nxt)
+            elif prev is None:  # requests, but nothing to launch and nothing in flight
+                raise engine.stuck()
+            prev = nxt
+    finally:  # an exception: finish (or discard) steps t and t+1, in order, then propagate
+        engine.settle(prev, nxt)

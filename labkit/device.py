@@ -19,9 +19,11 @@ device, used by the early notebooks and for debugging.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import queue
 import time
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -114,7 +116,7 @@ class InProcessDevice(Device):
         self._host[slot] = self._tokens[slot].tolist()
 
     def wait_tokens(self, slot: int) -> list[int]:
-        tokens, self._host[slot] = self._host[slot], None
+        tokens = self._host[slot]  # left in place: waiting twice (after an interrupt) is safe
         assert tokens is not None, f"slot {slot}: wait_tokens without a launched copy"
         return tokens
 
@@ -142,106 +144,132 @@ def split_cpus() -> tuple[set[int], set[int]] | None:
 
 
 _LANES = ("compute", "copy")
-_OPS = ("forward", "sample", "copy")
+# "recv": the device reading and unpickling a command that has arrived; "unpack": turning
+# constraint masks sent as bits into tensors. Both are the device's own per-step overhead,
+# booked as device time (compute lane) beside forward and sample. The wake-up latency before a
+# command arrives at an idle device is not device work: it is the gap between the host's launch
+# span and the "recv" span, part of the bubble.
+_OPS = ("forward", "sample", "copy", "recv", "unpack")
+_STATUS_OPS = (*_OPS, "fault", "stall")  # what the device says it is doing (the last two: tests)
 _TRACE_CAP = 1 << 16  # spans kept per lane (a ring)
+_ERROR_CAP = 1 << 16  # bytes of the device's traceback kept in shared memory
+MASK_CACHE_CAP = 256  # constraint masks the device keeps (least recently used goes first)
+_HEAD = 2  # a host buffer row: [n, step, token_0 .. token_{n-1}]
 
 
-def _device_main(model, runner_args, threads, cpus, compute_rx, copy_rx, copy_done, host_tokens,
-                 trace, trace_n, errors) -> None:
-    """The device process: one thread per stream, each running its commands in order."""
-    import threading
+def _mask_cache_put(cache: OrderedDict, key, value, cap: int) -> None:
+    """Insert into a bounded LRU (the host mirrors the device's with the same calls)."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > cap:
+        cache.popitem(last=False)
+
+
+def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_tokens,
+                 trace, trace_n, status, error_flag, error_text, ready, mask_cap) -> None:
+    """The device process: runs the compute stream's commands in order, in its main thread.
+
+    The copy is fused into the sample: the sampled tokens are written straight into the shared
+    ("pinned") host buffer, stamped with the step, and the copy's event is set at once, as a
+    kernel writing into mapped host memory would; the copy lane records that write. (A copy
+    thread waiting for its turn on the device's one core delayed the event by a whole forward.)
+    """
     import traceback
+    from multiprocessing.reduction import ForkingPickler
 
-    if cpus:  # before any thread starts: the streams and torch's pool inherit it
+    if cpus:
         os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)
     try:
         runner = ModelRunner(model, *runner_args)
     except BaseException:
-        errors.put(traceback.format_exc())
-        for done in copy_done:
-            done.release()
+        ready.put(traceback.format_exc())
         return
     logits: list[torch.Tensor | None] = [None] * NUM_SLOTS
-    tokens: list[torch.Tensor | None] = [None] * NUM_SLOTS
     plans: list[StepPlan | None] = [None] * NUM_SLOTS  # sent once, with the forward
-    sampled = [threading.Event() for _ in range(NUM_SLOTS)]  # the compute stream's events
-    masks: dict[int, torch.Tensor] = {}  # constraint masks, cached by the host's key
+    masks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # by content, bounded
     vocab = model.cfg.vocab_size
-
-    # numpy views of the shared memory: a numpy store costs a fraction of a torch one, and on
-    # the device's one core the copy stream's every microsecond delays the compute stream
+    # numpy views of the shared memory: a numpy store costs a fraction of a torch one
     trace_np, trace_n_np, host_np = trace.numpy(), trace_n.numpy(), host_tokens.numpy()
+    # [op, step, since, masks held]: what the device is doing (op -1: idle)
+    status_np = status.numpy()
 
     def record(lane: int, op: int, step: int, t0: float, t1: float) -> None:
-        # t1 is taken before the event is set: once it is, the other stream and the host run,
-        # and a span ended after that would swallow their time
         trace_np[lane, trace_n_np[lane] % _TRACE_CAP] = (op, step, t0, t1)
         trace_n_np[lane] += 1
 
-    def fail() -> None:
-        errors.put(traceback.format_exc())
-        for done in copy_done:  # wake the host: it finds the error instead of waiting forever
-            done.release()
-
-    def compute_stream() -> None:
-        try:
-            while (cmd := compute_rx.recv()) is not None:
+    ready.put(None)
+    free_since = time.perf_counter()  # when the device last finished a command
+    try:
+        while True:
+            status_np[:3] = (-1, -1, free_since)
+            raw = compute_rx.recv_bytes()  # idle until a command has arrived
+            arrived = time.perf_counter()
+            cmd = ForkingPickler.loads(raw)  # what Connection.recv does, timed apart
+            got = time.perf_counter()
+            if cmd is None:
+                return
+            op, slot, step, payload = cmd
+            status_np[:3] = (_STATUS_OPS.index(op), step, got)
+            record(0, 3, step, arrived, got)  # "recv": read and unpickle the command
+            if op == "forward":
+                plans[slot] = payload
+                logits[slot] = runner.forward(payload)
+                record(0, 0, step, got, time.perf_counter())
+            elif op == "sample":
+                plan = plans[slot]
                 t0 = time.perf_counter()
-                op, slot, plan, allowed = cmd
-                if op == "forward":
-                    plans[slot] = plan
-                    logits[slot] = runner.forward(plan)
-                else:
-                    plan = plans[slot]
-                    for key, packed in (allowed or {}).values():
-                        if packed is not None:  # first use of this mask: unpack and keep it
-                            bits = np.unpackbits(np.frombuffer(packed, np.uint8))[:vocab]
-                            masks[key] = torch.from_numpy(bits.astype(bool))
-                    rows = {r: masks[key] for r, (key, _) in (allowed or {}).items()}
-                    mask = allowed_tensor(rows, plan.batch_size, vocab, runner.device)
-                    tokens[slot] = runner.sample(plan, logits[slot], mask)
-                    logits[slot] = None
+                rows = {}
+                for row, (key, packed) in (payload or {}).items():
+                    if packed is not None:  # first use of this mask: unpack and keep it
+                        bits = np.unpackbits(np.frombuffer(packed, np.uint8))[:vocab]
+                        _mask_cache_put(masks, key, torch.from_numpy(bits.astype(bool)), mask_cap)
+                    masks.move_to_end(key)
+                    rows[row] = masks[key]
+                status_np[3] = len(masks)
                 t1 = time.perf_counter()
-                if op == "sample":
-                    sampled[slot].set()
-                record(0, _OPS.index(op), plan.step, t0, t1)
-        except BaseException:
-            fail()
-
-    def copy_stream() -> None:
-        try:
-            while (cmd := copy_rx.recv()) is not None:
-                slot, step = cmd
-                sampled[slot].wait()  # the copy stream waits on the compute stream's event
-                sampled[slot].clear()
-                t0 = time.perf_counter()
-                n = tokens[slot].shape[0]
+                if payload:
+                    record(0, 4, step, t0, t1)  # "unpack"
+                mask = allowed_tensor(rows, plan.batch_size, vocab, runner.device)
+                tokens = runner.sample(plan, logits[slot], mask).numpy()
+                logits[slot] = None
+                t2 = time.perf_counter()
+                n = tokens.shape[0]
+                host_np[slot, 2:n + 2] = tokens  # the "copy": into the shared pinned buffer
                 host_np[slot, 0] = n
-                host_np[slot, 1:n + 1] = tokens[slot].numpy()  # into the shared "pinned" buffer
-                t1 = time.perf_counter()
-                copy_done[slot].release()
-                record(1, 2, step, t0, t1)
-        except BaseException:
-            fail()
-
-    streams = [threading.Thread(target=compute_stream), threading.Thread(target=copy_stream)]
-    for s in streams:
-        s.start()
-    errors.put(None)  # ready
-    for s in streams:
-        s.join()
+                host_np[slot, 1] = step  # the stamp last: a buffer with it is complete
+                t3 = time.perf_counter()
+                record(0, 1, step, t1, t2)
+                record(1, 2, step, t2, t3)
+                copy_done[slot].release()  # the copy's event
+            elif op == "fault":  # tests: a failure inside the device
+                raise RuntimeError(f"injected device fault: {payload}")
+            elif op == "stall":  # tests: a device that is alive but does not answer
+                time.sleep(payload)
+            free_since = time.perf_counter()
+    except BaseException:
+        text = traceback.format_exc().encode()[:_ERROR_CAP]
+        error_text.numpy()[:len(text)] = np.frombuffer(text, np.uint8)
+        error_flag.numpy()[:] = (1, len(text))  # sticky, and written before anyone wakes
+        for done in copy_done:
+            done.release()
+        # returning ends the process: nothing else runs in it
 
 
 class ProcessDevice(Device):
     """A simulated accelerator: another OS process owns the weights, the KV pool, last_tokens.
 
-    Launching sends a command down a stream's pipe and returns at once; the device process
-    runs each stream's commands in order in its own thread. Host buffers are shared memory
-    both processes map (the stand-in for pinned memory); the copy stream signals the host
-    through a `multiprocessing.Semaphore` per slot (the copy's event).
-    A process, not a thread: with pure-Python host work a device thread would share the GIL
-    with the host and the two could not overlap.
+    Launching sends a command down the compute stream's pipe and returns at once; the device
+    process runs the commands in order. Host buffers are shared memory both processes map (the
+    stand-in for pinned memory); each copy is stamped with its step, and the copy's event is a
+    `multiprocessing.Semaphore` per slot. A process, not a thread: with pure-Python host work a
+    device thread would share the GIL with the host and the two could not overlap.
+
+    Failures: an error inside the device is written to shared memory (a sticky flag and the
+    traceback) before any waiter is woken, and the device process exits; from then on every
+    call raises `DeviceError` with that traceback at once. A device that stays alive but does
+    not finish anything for `stall_timeout_s` while the host waits is reported as stalled,
+    with what it was doing. A host buffer whose stamp is not the awaited step is never read.
 
     With `pin` (the default, where the OS allows it), the device process runs on one core and
     the host's decode loop (inside `host_thread()`) on the others, as a GPU and a CPU would.
@@ -255,38 +283,49 @@ class ProcessDevice(Device):
 
     def __init__(self, model, num_blocks: int, block_size: int, max_seqs: int,
                  cache: str = "paged", threads: int = 1, start_timeout_s: float = 120.0,
-                 pin: bool = True, attention: str | None = None):
+                 pin: bool = True, attention: str | None = None, stall_timeout_s: float = 120.0,
+                 mask_cache_cap: int = MASK_CACHE_CAP):
         import torch.multiprocessing as mp
 
         split = split_cpus() if pin else None
         self.host_cpus, self.device_cpus = split if split else (None, None)
+        self.stall_timeout_s = stall_timeout_s
+        self._failed: str | None = None  # the host's copy of the sticky error
+        self._closed = False
         ctx = mp.get_context("spawn")
         model.share_memory()  # the device maps the weights; nothing is copied
         self.vocab_size = model.cfg.vocab_size
-        self.host_tokens = torch.zeros(NUM_SLOTS, max_seqs + 1, dtype=torch.long).share_memory_()
+        self.host_tokens = torch.zeros(NUM_SLOTS, max_seqs + _HEAD,
+                                       dtype=torch.long).share_memory_()
         self._host_np = self.host_tokens.numpy()
+        self._host_np[:, 1] = -1  # no step's tokens yet
         self.trace = torch.zeros(2, _TRACE_CAP, 4, dtype=torch.float64).share_memory_()
         self.trace_n = torch.zeros(2, dtype=torch.long).share_memory_()
-        # the copy's completion event: a semaphore, released once per copy, acquired once per
-        # wait (cheaper than a multiprocessing.Event, whose set() waits for every waiter)
+        self.status = torch.zeros(4, dtype=torch.float64).share_memory_()
+        self.mask_cache_cap = mask_cache_cap
+        self.error_flag = torch.zeros(2, dtype=torch.long).share_memory_()  # (failed, length)
+        self.error_text = torch.zeros(_ERROR_CAP, dtype=torch.uint8).share_memory_()
+        self._error_np = self.error_flag.numpy()
+        # the copy's completion event: a semaphore, released once per copy (and by a failing
+        # device, to wake the host); cheaper than a multiprocessing.Event
         self.copy_done = [ctx.Semaphore(0) for _ in range(NUM_SLOTS)]
-        self._errors = ctx.Queue()
+        ready = ctx.Queue()
         compute_rx, self._compute = ctx.Pipe(duplex=False)
-        copy_rx, self._copy = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=_device_main, daemon=True, name="labkit-device",
             args=(model, (num_blocks, block_size, max_seqs, cache, "cpu", attention), threads,
-                  self.device_cpus, compute_rx, copy_rx, self.copy_done, self.host_tokens,
-                  self.trace, self.trace_n, self._errors))
+                  self.device_cpus, compute_rx, self.copy_done, self.host_tokens, self.trace,
+                  self.trace_n, self.status, self.error_flag, self.error_text, ready,
+                  mask_cache_cap))
         self.proc.start()
-        self._mask_keys: dict[int, tuple[int, torch.Tensor]] = {}
+        self._host_masks: OrderedDict[int, tuple[torch.Tensor, bytes, bytes]] = OrderedDict()
+        self._device_masks: OrderedDict[bytes, None] = OrderedDict()  # mirrors the device's
         self._trace_read = [0, 0]
-        self._slot_step = [0] * NUM_SLOTS
-        self._closed = False
+        self._slot_step = [-1] * NUM_SLOTS
         deadline = time.monotonic() + start_timeout_s
         while True:  # ready, or an error, or a process that died before it could say either
             try:
-                err = self._errors.get(timeout=0.2)
+                err = ready.get(timeout=0.2)
                 break
             except queue.Empty:
                 if not self.proc.is_alive():
@@ -304,52 +343,123 @@ class ProcessDevice(Device):
             self.close()
             raise DeviceError(f"the device process failed to start:\n{err}")
 
-    def _send(self, pipe, cmd) -> None:
-        try:
-            pipe.send(cmd)
-        except (BrokenPipeError, OSError):
-            self._raise_dead()
+    # -- failures ------------------------------------------------------------------------------
 
-    def _raise_dead(self) -> None:
+    def _fail(self, message: str) -> None:
+        """Make the failure sticky on the host side too, and raise it."""
+        self._failed = message
+        raise DeviceError(message)
+
+    def _check(self, alive: bool = False) -> None:
+        """Raise if the device has failed (the shared flag; with `alive`, a dead process)."""
+        if self._failed is not None:
+            raise DeviceError(self._failed)
+        if self._error_np[0]:
+            n = int(self._error_np[1])
+            text = bytes(self.error_text.numpy()[:n]).decode(errors="replace")
+            self._fail(f"the simulated device failed:\n{text}")
+        if alive and not self.proc.is_alive():
+            self._check()  # it may have written its error just before exiting
+            code = self.proc.exitcode
+            self._fail(f"the simulated device process died (exit code {code}); no step "
+                       "results will arrive")
+
+    def _doing(self) -> str:
+        """What the device reports it is doing, for a stall message."""
+        op, step, since, _ = self.status.tolist()
+        ago = time.perf_counter() - since
+        if op == -1:
+            return f"idle, waiting for a command, for {ago:.1f} s"
+        what = _STATUS_OPS[int(op)]
+        return f"running {what} of step {int(step)} for {ago:.1f} s"
+
+    def _send(self, cmd) -> None:
+        self._check()
         try:
-            err = self._errors.get_nowait()
-        except queue.Empty:
-            err = None
-        code = self.proc.exitcode
-        raise DeviceError("the simulated device process died"
-                          + (f" (exit code {code})" if code is not None else "")
-                          + (f":\n{err}" if err else "; no step results will arrive"))
+            self._compute.send(cmd)
+        except (BrokenPipeError, OSError):
+            self._check(alive=True)
+            self._fail("the simulated device stopped taking commands (its pipe is closed)")
+
+    # -- the four launches ---------------------------------------------------------------------
 
     def launch_forward(self, slot: int, plan: StepPlan) -> None:
-        self._send(self._compute, ("forward", slot, plan, None))
+        self._send(("forward", slot, plan.step, plan))
+
+    def _mask_payload(self, allowed: dict[int, torch.Tensor]) -> dict:
+        """Each row's mask as (content key, bits or None if the device holds it already)."""
+        payload = {}
+        for row, mask in allowed.items():
+            # host side: a mask object seen before is not packed again (kept alive, so its id
+            # cannot be reused by another tensor while it is in this bounded cache)
+            hit = self._host_masks.get(id(mask))
+            if hit is None or hit[0] is not mask:
+                packed = np.packbits(mask.numpy()).tobytes()
+                hit = (mask, hashlib.blake2b(packed, digest_size=16).digest(), packed)
+                self._host_masks[id(mask)] = hit
+                while len(self._host_masks) > self.mask_cache_cap:
+                    self._host_masks.popitem(last=False)
+            self._host_masks.move_to_end(id(mask))
+            _, key, packed = hit
+            if key in self._device_masks:  # the same LRU moves as the device will make
+                self._device_masks.move_to_end(key)
+                payload[row] = (key, None)
+            else:
+                _mask_cache_put(self._device_masks, key, None, self.mask_cache_cap)
+                payload[row] = (key, packed)
+        return payload
 
     def launch_sample(self, slot: int, plan: StepPlan,
                       allowed: dict[int, torch.Tensor] | None = None) -> None:
-        packed = None
-        if allowed:
-            packed = {}
-            for row, mask in allowed.items():
-                key = id(mask)
-                if key in self._mask_keys:  # the device has it already
-                    packed[row] = (key, None)
-                else:  # keep the tensor alive so its id stays unique
-                    self._mask_keys[key] = mask
-                    packed[row] = (key, np.packbits(mask.numpy()).tobytes())
+        payload = self._mask_payload(allowed) if allowed else None
         self._slot_step[slot] = plan.step
         # the device kept the slot's plan from the forward: only the masks travel
-        self._send(self._compute, ("sample", slot, None, packed))
+        self._send(("sample", slot, plan.step, payload))
 
     def launch_copy(self, slot: int) -> None:
-        self._send(self._copy, (slot, self._slot_step[slot]))
+        """Nothing to send: the sample writes the slot's host buffer itself (see the module)."""
+        self._check()
 
     def wait_tokens(self, slot: int) -> list[int]:
-        while not self.copy_done[slot].acquire(timeout=0.5):
-            if not self.proc.is_alive():
-                self._raise_dead()
-        if not self._errors.empty():
-            self._raise_dead()
-        n = int(self._host_np[slot, 0])
-        return self._host_np[slot, 1:n + 1].tolist()
+        """Wait for the slot's stamped tokens; a failed or stalled device raises DeviceError."""
+        step = self._slot_step[slot]
+        host = self._host_np
+        acquired = False
+        progress, since = int(self.trace_n[0]), time.monotonic()
+        while True:
+            self._check()
+            stamp = int(host[slot, 1])
+            if stamp == step:
+                break
+            if stamp > step:
+                self._fail(f"slot {slot} holds step {stamp}'s tokens while the host waits for "
+                           f"step {step}: the streams are out of order")
+            if self.copy_done[slot].acquire(timeout=0.25):
+                acquired = True
+                continue
+            self._check(alive=True)
+            if int(self.trace_n[0]) != progress:  # the device finished something: not stalled
+                progress, since = int(self.trace_n[0]), time.monotonic()
+            elif time.monotonic() - since > self.stall_timeout_s:
+                self._fail(f"the simulated device stalled: nothing finished for "
+                           f"{self.stall_timeout_s:.0f} s while the host waited for step "
+                           f"{step}'s tokens (slot {slot}); the device was {self._doing()}")
+        if not acquired:  # the copy's event fired before we waited: take it, keep the count
+            self.copy_done[slot].acquire(block=False)
+        n = int(host[slot, 0])
+        return host[slot, _HEAD:n + _HEAD].tolist()
+
+    # -- failure injection (tests) -------------------------------------------------------------
+
+    def inject(self, what: str, arg=None) -> None:
+        """Tests: make the device fail ("fault") or stop answering for `arg` s ("stall")."""
+        assert what in ("fault", "stall"), what
+        self._send((what, 0, -1, arg))
+
+    @property
+    def masks_held(self) -> int:
+        """Constraint masks the device process holds now (at most `mask_cache_cap`)."""
+        return int(self.status[3])
 
     def spans(self) -> list[tuple[str, str, int, float, float]]:
         """Device spans recorded since the last call: (lane, op, step, t0, t1)."""
@@ -377,18 +487,21 @@ class ProcessDevice(Device):
             os.sched_setaffinity(0, before)
 
     def close(self) -> None:
+        """Stop the device process: politely if it is healthy, at once if it failed."""
         if self._closed:
             return
         self._closed = True
-        for pipe in (self._compute, self._copy):
+        healthy = self._failed is None and not self._error_np[0] and self.proc.is_alive()
+        if healthy:
             try:
-                pipe.send(None)
+                self._compute.send(None)
             except (BrokenPipeError, OSError):
                 pass
-        self.proc.join(timeout=10)
+            self.proc.join(timeout=10)
         if self.proc.is_alive():
             self.proc.kill()
-            self.proc.join()
+        self.proc.join(timeout=10)
+        self._compute.close()
 
     def __del__(self) -> None:
         try:

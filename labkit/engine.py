@@ -103,6 +103,10 @@ class Launch:
     rows: list[Row]
     slot: int = 0
     launched_s: float = field(default_factory=time.perf_counter)
+    # how far it got, so that a loop ended by an exception can finish it (`Engine.settle`)
+    launched: bool = False
+    sampled: bool = False
+    committed: bool = False
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -126,6 +130,23 @@ def make_device(kind: str, model, num_blocks: int, block_size: int, max_seqs: in
     raise ValueError(f"device must be 'inprocess', 'process' or 'cuda', got {kind!r}")
 
 
+def check_engine_settings(**settings) -> None:
+    """Refuse engine settings that could never run a request, naming the setting."""
+    for name, v in settings.items():
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"Engine: {name} must be an integer, got {v!r}")
+    for name in ("block_size", "max_seqs"):
+        if settings[name] < 1:
+            raise ValueError(f"Engine: {name} must be >= 1, got {settings[name]} (max_seqs is "
+                             "the most requests a step can hold; block_size the tokens per page)")
+    if settings["num_adapter_slots"] < 0:
+        raise ValueError(f"Engine: num_adapter_slots must be >= 0, got "
+                         f"{settings['num_adapter_slots']}")
+    if settings["kv_tokens"] < settings["block_size"]:
+        raise ValueError(f"Engine: kv_tokens ({settings['kv_tokens']}) is below one KV page "
+                         f"(block_size {settings['block_size']}): no request could ever run")
+
+
 class Engine:
     """One model, one device, a scheduler, a tokenizer."""
 
@@ -137,7 +158,9 @@ class Engine:
                  prefix_caching: bool = True):
         # attention: "naive", "paged" or "flash" (labkit.attention.BACKENDS); None picks the
         # cache's own ("paged" for the paged pool, "naive" for the contiguous slabs)
-        num_blocks = max(1, kv_tokens // block_size)
+        check_engine_settings(kv_tokens=kv_tokens, block_size=block_size, max_seqs=max_seqs,
+                              num_adapter_slots=num_adapter_slots)
+        num_blocks = kv_tokens // block_size
         self.model, self.tokenizer = model, tokenizer
         self.stats = EngineStats()
         contiguous = cache == "contiguous"  # one max-length slab per sequence: reserve it all
@@ -161,6 +184,7 @@ class Engine:
         self.on_text: TextCallback | None = None
         self.on_step: Callable[[Engine], None] | None = None  # called between steps
         self.timeline = None  # a labkit.timeline.Timeline while one is recording
+        self.interrupt_pending = False  # a deferred Ctrl-C, raised at the next between_steps
 
     @property
     def zombie_rows(self) -> int:
@@ -182,11 +206,14 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
-               adapter: int | None = None, constraint=None) -> int:
-        """Queue a request; returns its id. Raises RequestError if it can never run."""
-        params = params or SamplingParams()
-        prompt_ids = [int(t) for t in prompt_ids]
+    def check(self, prompt_ids: list[int], params: SamplingParams,
+              constraint=None) -> int:
+        """Everything `submit` checks, changing nothing; returns the request's token cap.
+
+        Raises RequestError if the request could never run to completion: a token outside the
+        vocabulary, a prompt or cap the pool or context cannot hold, a constrained answer that
+        cannot finish in the context left after the prompt.
+        """
         vocab = self.model.cfg.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -196,8 +223,23 @@ class Engine:
         if constraint is not None:
             # a constrained answer always runs to completion, so that it always parses: every
             # token spells at least one character, and EOS may follow the last one
-            max_new = max(max_new, constraint.max_text_len + 1)
-        max_new = self.scheduler.check_request(prompt_ids, max_new)
+            need = constraint.max_text_len + 1
+            room = self.scheduler.context_len - len(prompt_ids)
+            if need > room:
+                raise RequestError(
+                    f"the constrained answer ({constraint!r}) may need {need} tokens, but the "
+                    f"context of {self.scheduler.context_len} tokens leaves {max(room, 0)} after "
+                    f"the prompt's {len(prompt_ids)}: it could not finish. Shorten the prompt "
+                    "or the answer (fewer decimals)")
+            max_new = max(max_new, need)
+        return self.scheduler.check_request(prompt_ids, max_new)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+               adapter: int | None = None, constraint=None) -> int:
+        """Queue a request; returns its id. Raises RequestError if it can never run."""
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        max_new = self.check(prompt_ids, params, constraint)
         seq = Sequence(self._next_id, prompt_ids, params, max_new, adapter=adapter,
                        constraint=constraint)
         if constraint is not None:
@@ -266,7 +308,13 @@ class Engine:
             s.inflight_refs += 1
         launch.slot = slot
         launch.launched_s = time.perf_counter()
-        self.device.launch_forward(slot, plan)
+        try:
+            self.device.launch_forward(slot, plan)
+        except BaseException:  # never reached the device: nothing references the sequences
+            for s in launch.seqs:
+                s.inflight_refs -= 1
+            raise
+        launch.launched = True
         self.steps += 1
         st.steps += 1
         st.decode_rows += sum(r.from_device for r in launch.rows)
@@ -303,12 +351,22 @@ class Engine:
         t0 = time.perf_counter()
         self.device.launch_sample(launch.slot, launch.plan, self.allowed(launch))
         self.device.launch_copy(launch.slot)
+        launch.sampled = True
         self._span("sample", launch, t0)
 
     def commit(self, launch: Launch, tokens: list[int]) -> None:
-        """Apply a step's tokens to its sequences; zombie rows are skipped and counted."""
+        """Apply a step's tokens to its sequences; zombie rows are skipped and counted.
+
+        Every row is applied before any `on_text` callback runs: a callback that raises leaves
+        the step committed and every sequence consistent.
+        """
         now = t0 = time.perf_counter()
         sched = self.scheduler
+        assert not launch.committed, f"step {launch.plan.step} committed twice"
+        if len(tokens) != len(launch.seqs):
+            raise RuntimeError(f"step {launch.plan.step}: {len(tokens)} tokens for "
+                               f"{len(launch.seqs)} rows (a stale or torn host buffer)")
+        pieces: list[tuple[int, str]] = []
         sched.step = launch.plan.step  # finish and release times are this step's commit
         st = self.stats
         for row, tok in zip(launch.rows, tokens):
@@ -337,29 +395,88 @@ class Engine:
                 if reason is not None:
                     piece += seq.detok.flush()
                 seq.text += piece
-                if piece and self.on_text is not None:
-                    self.on_text(seq.request_id, piece)
+                if piece:
+                    pieces.append((seq.request_id, piece))
             if reason is not None:
                 sched.finalize(seq, reason)
             sched.release_if_done(seq)
+        launch.committed = True
         if self.extra_host_work_s:  # a labelled what-if, never a headline number
             while time.perf_counter() - t0 < self.extra_host_work_s:
                 pass
         self._span("commit", launch, t0)
+        if self.on_text is not None:
+            for request_id, piece in pieces:
+                self.on_text(request_id, piece)
+
+    def settle(self, *launches: Launch | None) -> None:
+        """Finish what a decode loop leaves in flight when an exception ends it (in order).
+
+        Each launched, uncommitted step is sampled if it was not, waited for and committed, so
+        that every sequence is as if the run had stopped between steps, and a later run goes
+        on with the same tokens. A step that cannot be finished (the device failed, a second
+        interrupt) is discarded: its references are dropped and its live sequences end as
+        cancelled (the device is a step ahead of them). Never raises: the loop's own exception
+        is the one the caller sees.
+        """
+        seen: set[int] = set()
+        for launch in launches:
+            if launch is None or id(launch) in seen or launch.committed:
+                continue
+            if not launch.launched:  # planned, never launched: recomputed later
+                self.scheduler.unplan(launch.rows)
+                continue
+            seen.add(id(launch))
+            try:
+                if not launch.sampled:
+                    self.finish_sampling(launch)
+                self.commit(launch, self.wait_tokens(launch))
+            except BaseException:  # noqa: B036 - a cleanup path; the caller's error propagates
+                if not launch.committed:
+                    self._discard(launch)
+
+    def _discard(self, launch: Launch) -> None:
+        """Drop an unfinishable step's references; its live sequences end as cancelled."""
+        launch.committed = True  # never again
+        for seq in launch.seqs:
+            seq.inflight_refs -= 1
+            self.scheduler.finalize(seq, FinishReason.CANCELLED)  # no-op if already final
+            self.scheduler.release_if_done(seq)
+
+    def stuck(self) -> RuntimeError:
+        """The error for a loop that finds requests but nothing it can launch or commit."""
+        sched = self.scheduler
+        held = [(s.request_id, s.inflight_refs) for s in sched.running if s.finalized]
+        return RuntimeError(
+            f"scheduler stuck: {len(sched.waiting)} waiting, {len(sched.running)} running, none "
+            f"live and no step in flight; finished but unreleased (request, inflight_refs): "
+            f"{held[:8]} (a step's references were never committed, or a request larger than "
+            "the pool was not refused at submit)")
 
     def _stop_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         if seq.constraint is not None:
             seq.constraint_state = seq.constraint.advance(seq.constraint_state, tok)
             if seq.constraint.is_done(seq.constraint_state):
                 return FinishReason.STOP
-        if not seq.params.ignore_eos and (tok == self.eos_id or tok in seq.params.stop_ids):
+        if seq.params.ignore_eos:
+            pass
+        elif tok == self.eos_id:  # a constrained row samples EOS only once its answer parses
             return FinishReason.STOP
+        elif tok in seq.params.stop_ids and seq.constraint is None:
+            return FinishReason.STOP  # (a stop id never cuts a constrained answer short)
         if len(seq.output_ids) >= seq.max_new_tokens:
             return FinishReason.LENGTH
         return None
 
     def between_steps(self) -> None:
-        """Let a caller submit or cancel between steps (tests, streaming front ends)."""
+        """Let a caller submit or cancel between steps (tests, streaming front ends).
+
+        A Ctrl-C that arrived during the step (`labkit.decoders.run` defers it) is raised
+        here, where no step is half-launched or half-committed.
+        """
+        if self.interrupt_pending:
+            self.interrupt_pending = False
+            raise KeyboardInterrupt
         if self.on_step is not None:
             self.on_step(self)
 

@@ -90,6 +90,11 @@ class BlockAllocator:
         self._check_live(page, "kept")
         self._keep.add(page)
 
+    def unkeep(self, page: int) -> None:
+        """Undo `keep`: at refcount 0 the page is freed, its KV forgotten."""
+        self._check_live(page, "unkept")
+        self._keep.discard(page)
+
     def share(self, pages: Sequence[int]) -> None:
         """Add a reference to pages already owned or cached (prefix sharing, forks)."""
         for p in pages:

@@ -73,6 +73,13 @@ class PrefixCache:
             self.allocator.keep(page)
         return hashes
 
+    def unname(self, pages: Sequence[int]) -> None:
+        """Forget the names of owned pages whose KV was never written (a launch undone)."""
+        for page in pages:
+            if page in self._name_of:
+                self._forget(page)
+                self.allocator.unkeep(page)
+
     def _forget(self, page: int) -> None:
         name = self._name_of.pop(page, None)
         if name is not None and self._page_of.get(name[2]) == page:

@@ -10,6 +10,7 @@ imported only when something is drawn.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -70,18 +71,28 @@ def plot_roofline(hardware: Hardware | str | Sequence[Hardware | str],
         ax.loglog([lo, ridge, hi], [lo * hw.bandwidth, peak, peak], color=color, lw=2,
                   label=f"{hw.name}: {_si(peak, 'FLOP/s')} {dt}, {_si(hw.bandwidth, 'B/s')}")
         ax.axvline(ridge, color=color, ls=":", lw=1)
-        ax.annotate(f"ridge {ridge:.3g}", (ridge, peak), textcoords="offset points",
-                    xytext=(4, -14), color=color, fontsize=8)
-    for i, p in enumerate(placed):
+        # along the ridge line, at the bottom of the plot: points sit on the roofs, far above
+        ax.annotate(f"ridge {ridge:.3g}", (ridge, 0), xycoords=("data", "axes fraction"),
+                    textcoords="offset points", xytext=(-3, 4), color=color, fontsize=8,
+                    rotation=90, ha="right", va="bottom")
+    prev, level = None, 0
+    for p in sorted(placed, key=lambda q: q.intensity):
         ax.plot(p.intensity, p.flops_per_s, "o" if p.measured else "s", ms=7,
                 mfc="black" if p.measured else "white", mec="black")
+        # a label near the last one (within ~4x on both axes) moves one line down
+        near = prev is not None and math.log10(p.intensity / prev.intensity) < 0.6 and abs(
+            math.log10(p.flops_per_s / prev.flops_per_s)) < 0.6
+        level = level + 1 if near else 0
+        right = p.intensity > hi / 20  # near the right edge: write the label leftwards
         ax.annotate(p.label, (p.intensity, p.flops_per_s), textcoords="offset points",
-                    xytext=(6, 4 if i % 2 == 0 else -12), fontsize=8)  # alternate: no overlap
+                    xytext=(-6 if right else 6, -12 - 11 * level), fontsize=8,
+                    ha="right" if right else "left")
+        prev = p
     ax.set_xlim(lo, hi)
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("FLOP/s")
     ax.set_title(title or "roofline (filled: measured; open: predicted, on the roof)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")  # the roofs leave that corner empty
     ax.grid(True, which="both", alpha=0.2)
     return ax
 

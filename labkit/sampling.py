@@ -14,9 +14,28 @@ after the rows before it.)
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).smallest_subnormal)
+# below this a temperature is refused: logits of magnitude up to ~1e32 divided by it still fit
+# in float32 (the largest is 3.4e38); 1e-6 is already greedy in all but exact ties
+MIN_TEMPERATURE = 1e-6
+
+
+def _is_int(x) -> bool:
+    """An integer that is not a bool (JSON `true` must not pass as 1)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    """A real number that is not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclass(frozen=True)
@@ -32,18 +51,36 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks: run to max_new_tokens whatever is sampled
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        # bool is an int in Python, and JSON's `true` arrives as one: never a number here
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got "
                              f"{self.max_new_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+        if not _is_real(self.temperature) or not self.temperature >= 0:  # rejects NaN too
+            raise ValueError(f"temperature must be >= 0 (0 is greedy) and a number, got "
+                             f"{self.temperature!r}")
+        with np.errstate(over="ignore"):
+            t32 = float(np.float32(self.temperature))
+        if not math.isfinite(t32):  # inf, or too large for float32 (1e39 becomes inf)
+            raise ValueError(f"temperature {self.temperature} is not a finite float32 (at most "
+                             f"{FLOAT32_MAX:.3g}); for a near-uniform draw use e.g. 100")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature {self.temperature} is below {MIN_TEMPERATURE}: "
+                             "float32 logits divided by it overflow; use 0 for greedy")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] and a number, got {self.top_p!r}")
+        if np.float32(self.top_p) == 0:
+            raise ValueError(f"top_p {self.top_p} rounds to 0 in float32 (the device's "
+                             f"precision); the smallest usable is about {FLOAT32_TINY:.3g}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63) and an integer, got {self.seed!r}")
+        if not all(_is_int(i) and i >= 0 for i in self.stop_ids):
+            raise ValueError(f"stop_ids must be token ids (integers >= 0), got "
+                             f"{self.stop_ids!r}")
         object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
+        for name in ("max_new_tokens", "seed") + (("top_k",) if self.top_k is not None else ()):
+            object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int
 
     @property
     def greedy(self) -> bool:
@@ -71,7 +108,9 @@ class SamplingBatch:
         """Pack each row's params and token counter into tensors (`to_device`: list -> tensor)."""
         return SamplingBatch(
             temperature=to_device([float(p.temperature) for p in params]),
-            top_k=to_device([p.top_k or vocab_size for p in params]),
+            # top_k above the vocabulary keeps everything: clamped, or a batch-mate's real cut
+            # would index past the end of the sorted row
+            top_k=to_device([min(p.top_k or vocab_size, vocab_size) for p in params]),
             top_p=to_device([float(p.top_p) for p in params]),
             seed=to_device([p.seed for p in params]),
             counter=to_device(counters),

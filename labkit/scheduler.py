@@ -313,6 +313,20 @@ class Scheduler:
         self._count("preemptions")
         self.release_if_done(seq)
 
+    def unplan(self, rows: list[Row]) -> None:
+        """Undo a planned launch that never reached the device (an error between plan and
+        launch): its sequences are preempted, so they are recomputed later with the same
+        tokens, and the pages it would have filled lose their prefix names (no KV was
+        written to them, so no later request may share them)."""
+        bs = self.block_size
+        for r in rows:
+            if r.pad or self.prefix is None:
+                continue
+            pages = r.seq.block_table[r.start // bs:(r.start + r.n - 1) // bs + 1]
+            self.prefix.unname(pages)
+        for seq in dict.fromkeys(r.seq for r in rows if not r.pad):
+            self.preempt(seq)
+
     def finalize(self, seq: Sequence, reason: FinishReason) -> None:
         """Mark a sequence over (idempotent); its resources wait for inflight_refs == 0."""
         if seq.finalized:

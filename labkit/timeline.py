@@ -46,6 +46,11 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def idle_fraction(busy: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """Share of the window [t0, t1] that no busy interval covers (intervals may overlap)."""
+    return 1.0 - union_length(busy) / (t1 - t0) if t1 > t0 else 0.0
+
+
 @dataclass
 class Timeline:
     """All spans of a recorded run."""
@@ -91,7 +96,10 @@ class Timeline:
 
     def bubble_fraction(self) -> float:
         """Share of the wall time the compute lane sat idle."""
-        return 1.0 - self.busy("compute") / self.wall if self.wall > 0 else 0.0
+        if not self.spans:
+            return 0.0
+        t0, t1 = min(s.t0 for s in self.spans), max(s.t1 for s in self.spans)
+        return idle_fraction([(s.t0, s.t1) for s in self.lane("compute")], t0, t1)
 
     def per_step(self) -> dict[str, float]:
         """Mean host work and device seconds per step (host: not counting waits)."""
@@ -114,8 +122,9 @@ class Timeline:
         t0 = min(s.t0 for s in spans)
         t1 = max(s.t1 for s in spans)
         lanes = ["copy", "compute", "host"]
-        colors = {"forward": "tab:blue", "sample": "tab:cyan", "copy": "tab:purple",
-                  "plan": "gold", "decode": "tab:orange", "prefill": "darkorange",
+        colors = {"forward": "tab:blue", "sample": "tab:cyan", "recv": "slategray",
+                  "unpack": "lightsteelblue", "copy": "tab:purple",
+                  "plan": "gold", "decode": "tab:orange", "prefill": "tab:brown",
                   "mixed": "chocolate",
                   "commit": "tab:red", "wait": "lightgray"}
         for s in spans:

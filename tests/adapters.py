@@ -29,6 +29,8 @@ def solutions() -> dict[str, Callable]:
     """Exercise name -> the function the graders check (learner's or labkit's)."""
     from labkit import (
         attention,
+        bench_decode,
+        decode_pipelined,
         kv_sim,
         metrics,
         model,
@@ -37,6 +39,7 @@ def solutions() -> dict[str, Callable]:
         sampling,
         sequence,
         serve_sim,
+        timeline,
     )
 
     return {
@@ -60,6 +63,8 @@ def solutions() -> dict[str, Callable]:
         # chapter 07
         "commit_row": pick("ch07_pipelined", "commit_row", sequence.commit_row),
         "can_release": pick("ch07_pipelined", "can_release", sequence.can_release),
+        "run_pipelined": pick("ch07_pipelined", "run_pipelined",
+                              decode_pipelined.run_pipelined),
         # chapter 02
         "admit_fcfs": pick("ch02_batching", "admit_fcfs", serve_sim.admit_fcfs),
         "chunk_prefills": pick("ch02_batching", "chunk_prefills", serve_sim.chunk_prefills),
@@ -69,4 +74,7 @@ def solutions() -> dict[str, Callable]:
         "blocks_needed": pick("ch05_paged_attention", "blocks_needed", paged_kv.blocks_needed),
         "translate": pick("ch05_paged_attention", "translate", kv_sim.translate),
         "CowPages": pick("ch05_paged_attention", "CowPages", kv_sim.CowPages),
+        # chapter 06
+        "bubble_fraction": pick("ch06_gpu_bubble", "bubble_fraction", timeline.idle_fraction),
+        "cost_model": pick("ch06_gpu_bubble", "cost_model", bench_decode.cost_model),
     }

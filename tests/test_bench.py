@@ -60,14 +60,16 @@ def test_bench_decode_json_rows_are_self_consistent():
     for r in rows:
         for key in ("device", "model", "streams", "blocking_ms", "pipelined_ms", "speedup",
                     "t_host_ms", "t_device_ms", "predicted_speedup", "zombie_rows",
-                    "zombie_tax", "of_predicted", "pairs"):
+                    "zombie_tax", "gain_share", "t_other_ms", "pairs"):
             assert key in r, key
         assert r["model"] == "tiny" and r["pairs"] >= 1
         assert r["speedup"] == pytest.approx(r["blocking_ms"] / r["pipelined_ms"])
-        assert r["t_host_ms"] + r["t_device_ms"] == pytest.approx(r["blocking_ms"])
+        assert r["t_host_ms"] + r["t_device_ms"] + r["t_other_ms"] == pytest.approx(
+            r["blocking_ms"])
         assert r["predicted_speedup"] == pytest.approx(
-            (r["t_host_ms"] + r["t_device_ms"]) / max(r["t_host_ms"], r["t_device_ms"]))
-        assert r["of_predicted"] == pytest.approx(r["speedup"] / r["predicted_speedup"])
+            r["blocking_ms"] / max(r["t_host_ms"], r["t_device_ms"]))
+        assert r["gain_share"] == pytest.approx(
+            (r["speedup"] - 1) / (r["predicted_speedup"] - 1), nan_ok=True)
         # a whole pipelined run: one zombie row per sequence, 20 tokens each
         assert r["zombie_rows"] == r["streams"]
         assert r["zombie_tax"] == pytest.approx(1 / 20)
@@ -81,16 +83,19 @@ def test_bench_decode_refuses_turns_too_short_to_time(capsys):
     assert "--tokens at least" in capsys.readouterr().err
 
 
-def test_steady_state_skips_the_fill_and_counts_the_device_per_period():
+def test_steady_state_skips_the_fill_and_books_host_work_per_period():
     from labkit.bench_decode import steady_ms_per_step
     from labkit.timeline import Timeline
     tl = Timeline()
     # launches at 0, 1, 5, 7, 9, 11 ms: the first two periods fill the pipeline
     for step, t in enumerate([0, 1, 5, 7, 9, 11]):
         tl.add("host", "decode", step, t / 1e3, t / 1e3 + 1e-4)
+        tl.add("host", "commit", step, (t + 0.5) / 1e3, (t + 0.8) / 1e3)
+        tl.add("host", "wait", step, (t + 0.1) / 1e3, (t + 0.5) / 1e3)  # waiting is not work
         tl.add("compute", "forward", step, t / 1e3, (t + 1.5) / 1e3)
-    wall, device = steady_ms_per_step(tl)
+    wall, host, device = steady_ms_per_step(tl)
     assert wall == pytest.approx(2.0)  # (11 - 5) / 3
+    assert host == pytest.approx(0.4)  # launch 0.1 + commit 0.3 of steps 2, 3, 4
     assert device == pytest.approx(1.5)  # steps 2, 3, 4 begin the counted periods
     short = Timeline()
     for step in range(3):
@@ -114,3 +119,11 @@ def test_bench_decode_streams_0_gives_only_its_own_message(capsys):
     assert bench_decode.main(["--model", "tiny", "--repeats", "0"]) == 2
     err = capsys.readouterr().err
     assert "--repeats must be >= 1" in err and "--streams" not in err, err
+
+
+def test_gain_share_is_the_share_of_the_predicted_gain():
+    from labkit.bench_decode import gain_share
+    assert gain_share(1.50, 1.84) == pytest.approx(0.50 / 0.84)
+    assert gain_share(1.0, 1.84) == 0.0  # a pipeline that gains nothing scores nothing
+    assert gain_share(0.9, 1.5) < 0
+    assert gain_share(1.2, 1.0) != gain_share(1.2, 1.0)  # nothing predicted: nan

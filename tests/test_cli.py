@@ -111,6 +111,25 @@ BAD_INPUT = {
     "kv-tokens-0": (["--model", "tiny", "--kv-tokens", "0", "a b c"], "--kv-tokens must be >= 1"),
     "kv-pool-too-small": (["--model", "tiny", "--kv-tokens", "32", "a b c"],
                           "it could never run"),
+    # regressions: settings that broke on the device (or ran with exit 0 and garbage)
+    "temperature-inf": (["--model", "tiny", "--temperature", "inf", "a b c"],
+                        "not a finite float32"),
+    "temperature-1e39": (["--model", "tiny", "--temperature", "1e39", "a b c"],
+                         "not a finite float32"),
+    "temperature-1e-40": (["--model", "tiny", "--temperature", "1e-40", "a b c"], "below 1e-06"),
+    "top-p-1e-46": (["--model", "tiny", "--top-p", "1e-46", "a b c"], "rounds to 0 in float32"),
+    "jsonl-seed-float": (["--model", "tiny", "--prompts-file", 'FILE:{"prompt": "a", "seed": 1.5}'],
+                         "bad.jsonl:1: seed must be in [0, 2**63) and an integer, got 1.5"),
+    "jsonl-seed-true": (["--model", "tiny", "--prompts-file", 'FILE:{"prompt": "a", "seed": true}'],
+                        "bad.jsonl:1: seed must be in [0, 2**63) and an integer, got True"),
+    "jsonl-top-k-true": (["--model", "tiny", "--prompts-file",
+                          'FILE:{"prompt": "a", "top_k": true}'], "bad.jsonl:1: top_k must be"),
+    "constraint-cannot-finish": (["--model", "tiny", "--prompts-file", 'FILE:{"prompt": "'
+                                  + "a " * 1000 + '", "constraint": {"box": {"min": 0, '
+                                  '"max": 1, "decimals": 3}}}'], "could not finish"),
+    "constraint-decimals": (["--model", "tiny", "--prompts-file",
+                             'FILE:{"prompt": "a", "constraint": {"point": {"min": 0, "max": 1, '
+                             '"decimals": 1000000}}}'], "at most 60 are computed exactly"),
     "unknown-model": (["--model", "no-such-model", "a b c"], "unknown model 'no-such-model'"),
     "jsonl-unknown-key": (["--model", "tiny", "--prompts-file",
                            'FILE:{"prompt": "a", "tmperature": 1}'],
@@ -150,6 +169,7 @@ def test_bad_input_exits_2_with_a_message_and_no_output(tmp_path, capsys, name):
     assert main(["generate", *_files(args, tmp_path)]) == 2
     out, err = capsys.readouterr()
     assert message in err and out == "", (out, err)
+    assert len(err.strip().splitlines()) == 1, err  # one line, no traceback
 
 
 def test_bad_input_as_a_real_process(tmp_path):

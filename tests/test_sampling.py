@@ -14,6 +14,17 @@ from labkit.sampling import SamplingBatch, SamplingParams, sample, top_k_filter,
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
     ({"top_k": 0}, "top_k must be None or an integer >= 1"),
     ({"seed": -1}, "seed must be in"),
+    # regressions: settings that passed here and then broke on the device
+    ({"temperature": float("inf")}, "not a finite float32"),
+    ({"temperature": 1e39}, "not a finite float32"),  # finite in float64, inf in float32
+    ({"temperature": 1e-40}, "below 1e-06"),  # logits / 1e-40 overflow to inf
+    ({"top_p": 1e-46}, "rounds to 0 in float32"),  # emitted token 0 forever
+    ({"seed": 1.5}, "seed must be in .* and an integer"),
+    ({"seed": True}, "seed must be in .* and an integer"),  # JSON true is not a number
+    ({"max_new_tokens": True}, "max_new_tokens must be an integer"),
+    ({"temperature": True}, "temperature must be >= 0"),
+    ({"top_k": 2.0}, "top_k must be None or an integer"),
+    ({"stop_ids": (3, 1.5)}, "stop_ids must be token ids"),
 ])
 def test_bad_params_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -126,3 +137,24 @@ def test_rows_without_a_cut_are_untouched_by_the_filters():
     beside = sample(logits, _batch([mine, SamplingParams(temperature=1.0, top_p=0.5,
                                                           top_k=10)], [3, 3], 3000))
     assert alone.item() == beside[0].item()
+
+
+def test_top_k_above_the_vocabulary_is_no_cut_beside_a_real_cut():
+    """Regression: top_k > V crashed any batch that also had a real top-k cut (the crash
+    depended on the batch-mates)."""
+    torch.manual_seed(0)
+    vocab = 50
+    logits = torch.randn(2, vocab)
+    big = SamplingParams(temperature=1.0, top_k=vocab + 10, seed=3)
+    none = SamplingParams(temperature=1.0, seed=3)
+    cut = SamplingParams(temperature=1.0, top_k=5, seed=4)
+    mixed = sample(logits, _batch([big, cut], [0, 0], vocab))
+    plain = sample(logits, _batch([none, cut], [0, 0], vocab))
+    assert mixed.tolist() == plain.tolist()  # top_k > V keeps every token
+
+
+def test_numpy_integers_are_accepted_as_integers():
+    import numpy as np
+    p = SamplingParams(seed=np.int64(7), top_k=np.int32(3), max_new_tokens=np.int64(2))
+    assert (p.seed, p.top_k, p.max_new_tokens) == (7, 3, 2)
+    assert type(p.seed) is int

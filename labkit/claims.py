@@ -1,0 +1,83 @@
+"""Timing claims that survive a busy machine and can still fail (STYLE rule 15).
+
+A notebook's timing claim is held against a number measured many times over, each sample from
+one *pair* of runs taken in alternating order (A then B, then B then A), so that another
+program's load hits both sides alike. `measure` keeps drawing samples until the median's band
+(about two robust standard errors wide on each side, drawn from the samples' own spread) is
+narrow enough to decide, or a cap is reached; `hold` asserts the claim against that band, with
+a message that says what was measured and why it falls outside.
+
+    est = measure(lambda: one_pair_difference(), n=5, max_n=12, width=0.5 * extra_ms)
+    hold(est, 0.9 * extra_ms, 1.1 * extra_ms, "step growth (ms)", below="...", above="...")
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Samples of one quantity; their median and a band around it from their spread."""
+
+    samples: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        """The median sample: what one busy moment cannot drag far."""
+        return statistics.median(self.samples)
+
+    @property
+    def halfwidth(self) -> float:
+        """Two robust standard errors of the median: 2 x 1.25 x 1.48 MAD / sqrt(n)."""
+        mad = statistics.median(abs(x - self.median) for x in self.samples)
+        return 2 * 1.253 * 1.4826 * mad / math.sqrt(len(self.samples))
+
+    @property
+    def band(self) -> tuple[float, float]:
+        """(low, high): the median plus or minus its half-width."""
+        return self.median - self.halfwidth, self.median + self.halfwidth
+
+    def __str__(self) -> str:
+        lo, hi = self.band
+        return (f"median {self.median:.4g} (band {lo:.4g} to {hi:.4g} over {len(self.samples)} "
+                f"samples, from {min(self.samples):.4g} to {max(self.samples):.4g})")
+
+
+def measure(sample: Callable[[], float], n: int = 5, max_n: int = 15,
+            width: float | None = None) -> Estimate:
+    """Draw `n` samples, then more (up to `max_n`) while the band is wider than `width`
+    on either side of the median (None: no re-measuring)."""
+    xs = [float(sample()) for _ in range(n)]
+    while width is not None and len(xs) < max_n and Estimate(tuple(xs)).halfwidth > width:
+        xs.append(float(sample()))
+    return Estimate(tuple(xs))
+
+
+def load_note() -> str:
+    """The machine's load, for a message: a failed timing claim should say how busy it was."""
+    try:
+        return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    except OSError:
+        return f"{os.cpu_count()} CPUs"
+
+
+def hold(est: Estimate, low: float, high: float, what: str, below: str = "",
+         above: str = "") -> None:
+    """Assert the claim `low <= value <= high` on a measured estimate.
+
+    It holds when the median's band overlaps [low, high] and the median itself is inside it
+    or the band is too narrow to exclude it; it fails when the band lies wholly outside: the
+    measurement says, beyond its own spread, that the claim is false. `below` / `above`: what
+    a value on that side would mean, for the message.
+    """
+    lo, hi = est.band
+    if hi < low or lo > high or (not low <= est.median <= high and hi - lo < high - low):
+        side, why = ("below", below) if est.median < low else ("above", above)
+        raise AssertionError(
+            f"{what}: measured {est}, {side} the claim's range {low:.4g} to {high:.4g}"
+            + (f": {why}" if why else "") + f" ({load_note()})")
