@@ -175,24 +175,57 @@ class NaiveAttention(AttentionBackend):
 class PagedAttention(AttentionBackend):
     """All sequences at once: gather the context through the block tables, then fused SDPA."""
 
+    def __init__(self, store: KVStore):
+        super().__init__(store)
+        # CPU: the gathered K and V land in buffers reused by every layer and step. A fresh
+        # [B, L, Hkv, D] tensor per layer is a new mmap on each call (megabytes at batch 32),
+        # and its page faults cost more than the copy itself (measured: 2x the gather's time)
+        self._gather_buf: torch.Tensor | None = None
+        self._folded: tuple[AttentionMeta, int, torch.Tensor] | None = None
+
+    def _gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every context slot: two [B, L, Hkv, D] tensors."""
+        k_all, v_all = self.store.k[layer], self.store.v[layer]  # [S, Hkv, D]
+        if slots.device.type != "cpu":  # a GPU's allocator caches; a CUDA graph owns its pool
+            return k_all[slots], v_all[slots]
+        n, row = slots.numel(), k_all[0].numel()
+        if self._gather_buf is None or self._gather_buf.shape[1] < n * row:
+            self._gather_buf = torch.empty(2, n * row, dtype=k_all.dtype)
+        shape = (n, *k_all.shape[1:])
+        k = torch.index_select(k_all, 0, slots.reshape(n), out=self._gather_buf[0, :n * row]
+                               .view(shape))  # read B*L slots of Hkv*D; write the same
+        v = torch.index_select(v_all, 0, slots.reshape(n), out=self._gather_buf[1, :n * row]
+                               .view(shape))
+        return k.view(*slots.shape, *shape[1:]), v.view(*slots.shape, *shape[1:])
+
+    def _folded_mask(self, group: int) -> torch.Tensor:
+        """The step's mask with each query row repeated for the G heads of its KV head:
+        [B, 1, G*Tq, L], built once per step (every layer uses the same)."""
+        m = self.meta
+        if self._folded is None or self._folded[0] is not m or self._folded[1] != group:
+            b, tq, seq_len = m.mask.shape
+            mask = m.mask[:, None, None].expand(b, 1, group, tq, seq_len).reshape(
+                b, 1, group * tq, seq_len)
+            self._folded = (m, group, mask)
+        return self._folded[2]
+
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         m = self.meta
         b, tq = m.q_index.shape
         t, h, d = q.shape
         kv_heads = self.store.k.shape[2]
         group = h // kv_heads
-        k = self.store.k[layer][m.ctx_slots]  # [B, L, Hkv, D]
-        v = self.store.v[layer][m.ctx_slots]
-        qp = q[m.q_index]  # [B, Tq, H, D]
+        k, v = self._gather(layer, m.ctx_slots)  # [B, L, Hkv, D] each
+        # decode (Tq = 1): the packed order is the padded one, no index needed
+        qp = q.view(b, 1, h, d) if tq == 1 else q[m.q_index]  # [B, Tq, H, D]
         # fold the G query heads of each KV head into the query rows: [B, Hkv, G*Tq, D]
         qg = qp.view(b, tq, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(
             b, kv_heads, group * tq, d)
-        mask = m.mask[:, None, None].expand(b, 1, group, tq, m.mask.shape[-1]).reshape(
-            b, 1, group * tq, m.mask.shape[-1])
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask)  # [B, Hkv, G*Tq, D]
+                                           attn_mask=self._folded_mask(group))
+        # o: [B, Hkv, G*Tq, D]
         o = o.view(b, kv_heads, group, tq, d).permute(0, 3, 1, 2, 4).reshape(b * tq, h, d)
-        return o[m.unpad_index]  # [T, H, D]
+        return o if tq == 1 else o[m.unpad_index]  # [T, H, D]
 
 
 BACKENDS = {"naive": NaiveAttention, "paged": PagedAttention}

@@ -30,7 +30,7 @@ import time
 from labkit.kv_sim import simulate_pool
 from labkit.workload import OUTPUT_LENGTHS, PROMPT_LENGTHS, LengthDist, poisson_workload
 
-POLICY_KWARGS = {  # the engine settings of each policy (the `sched` branch's interface)
+POLICY_KWARGS = {  # the engine settings of each policy
     "contiguous": {"cache": "contiguous"},
     "reserve": {"cache": "paged", "kv_reserve": "max"},
     "on_demand": {"cache": "paged", "kv_reserve": "on_demand"},
@@ -103,7 +103,7 @@ class PoolWatcher:
             p, f = self.targets[seq.request_id]
             if not seq.finalized and len(seq.output_ids) >= f:
                 engine.cancel(seq.request_id)
-        live = [s for s in engine.scheduler.running if not s.finalized]
+        live = engine.scheduler.live()  # running, not finished, not preempted
         self.max_running = max(self.max_running, len(live))
         used = reserved = internal = 0
         for s in live:
@@ -133,9 +133,10 @@ def run_policy(model, policy: str, lengths, args) -> dict:
     else:
         max_seqs = args.max_seqs
         held = lambda s: len(s.block_table) * bs  # noqa: E731
-    # needs the scheduler of issue #13 (branch `sched`): kv_reserve and the contiguous policy
+    # one attention backend for every policy (it reads either cache), so that throughput
+    # compares the memory policies, not the contiguous cache's default Python-loop reference
     engine = Engine(model, None, kv_tokens=args.kv_tokens, block_size=bs, max_seqs=max_seqs,
-                    prefix_caching=False, **POLICY_KWARGS[policy])
+                    prefix_caching=False, attention="paged", **POLICY_KWARGS[policy])
     rng = random.Random(args.seed)
     vocab = model.cfg.vocab_size
     targets = {}

@@ -12,7 +12,8 @@ One JSON row per setting:
 Latency percentiles are over requests (`labkit.metrics`); goodput is the share of requests
 meeting `--slo-ttft-ms` and `--slo-tpot-ms`. With `--rounds R` the settings take turns R times
 (the order reversed every other round, so a machine's drift hits all alike) and each field is
-the median over rounds. Progress goes to stderr.
+the median over rounds; `range` holds each field's [min, max] over the rounds (the band a
+comparison must clear). Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -97,7 +98,6 @@ def serve_once(model, tok, requests, *, batching: str, max_step_tokens: int | No
     from labkit.engine import Engine
     from labkit.workload import ArrivalFeeder
 
-    # needs the scheduler of issue #12 (branch `sched`): max_step_tokens and batching
     engine = Engine(model, tok, kv_tokens=kv_tokens, max_seqs=max_seqs, device=device,
                     max_step_tokens=max_step_tokens, batching=batching)
     try:
@@ -144,8 +144,9 @@ def bench_serve(args: argparse.Namespace, log=print) -> list[dict]:
     rows = []
     for (b, r, t), got in runs.items():
         med = {k: statistics.median(g[k] for g in got) for k in got[0]}
+        spread = {k: [min(g[k] for g in got), max(g[k] for g in got)] for k in got[0]}
         rows.append({"batching": b, "rate": r, "requests": args.requests,
-                     "max_step_tokens": t, **med})
+                     "max_step_tokens": t, **med, "range": spread})
     return rows
 
 

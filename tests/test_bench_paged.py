@@ -1,5 +1,4 @@
-"""`bench paged`: argument checks (now) and a short run on the tiny model (needs the engine of
-issue #13: `Engine(kv_reserve=..., prefix_caching=...)` and pages on demand, branch `sched`)."""
+"""`bench paged`: argument checks, and a short run of the three policies on the tiny model."""
 
 import json
 

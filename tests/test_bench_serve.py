@@ -1,5 +1,4 @@
-"""`bench serve`: argument checks (now) and a short run on the tiny model (needs the engine of
-issue #12: `Engine(max_step_tokens=..., batching=...)`, branch `sched`)."""
+"""`bench serve`: argument checks, and a short run of every setting on the tiny model."""
 
 import json
 
