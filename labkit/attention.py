@@ -73,50 +73,80 @@ class AttentionMeta:
         """
         # query_lens, starts: [B]; block_tables: [B, nb] page ids (padded with any page id)
         dev = block_tables.device
-        on_cpu = dev.type == "cpu"
-        if not on_cpu and (max_q is None or max_ctx is None):
-            raise ValueError(f"AttentionMeta.build on {dev.type}: pass max_q and max_ctx (known "
-                             "on the host); reading them from the device would stall it")
-        b = query_lens.shape[0]
-        ctx_lens = starts + query_lens  # [B]
-        seq_len = int(ctx_lens.max()) if max_ctx is None else max_ctx
-        tq = int(query_lens.max()) if max_q is None else max_q
-        if host_query_lens is None and on_cpu and tq > 1:
-            host_query_lens = query_lens.tolist()  # a CPU tensor: no device to wait for
+        q = _Queries.layout(query_lens, starts, dev, max_q, max_ctx, host_query_lens,
+                            "AttentionMeta")
+        b, seq_len = query_lens.shape[0], q.max_ctx
         pos = torch.arange(seq_len, device=dev)  # [L]
         # token pos of a sequence lives in page table[pos // block_size] at offset pos % bs
         page_idx = (pos // block_size).clamp(max=block_tables.shape[1] - 1).expand(b, seq_len)
         ctx_slots = block_tables.gather(1, page_idx) * block_size + pos % block_size
-        valid_k = pos[None, :] < ctx_lens[:, None]  # [B, L]
+        valid_k = pos[None, :] < q.ctx_lens[:, None]  # [B, L]
         ctx_slots = torch.where(valid_k, ctx_slots, 0)
+        write_slots = ctx_slots.gather(1, q.pos.clamp(max=seq_len - 1))  # [B, Tq]
+        mask = (pos[None, None, :] <= q.pos[:, :, None]) & valid_k[:, None, :]  # causal
+        if q.tq > 1:  # a padded query row must see something, or softmax over nothing is NaN
+            mask[:, :, 0] |= ~q.valid  # (its output is dropped)
+        return AttentionMeta(q.packed(write_slots), q.packed(q.pos), ctx_slots, q.ctx_lens,
+                             query_lens, q.index, q.unpad_index, mask, q.last_rows,
+                             q.host_query_lens, q.host_ctx_lens(host_starts))
+
+
+@dataclass
+class _Queries:
+    """Where a step's new tokens are: the part of the metadata every backend needs."""
+
+    tq: int  # the longest query
+    max_ctx: int  # the longest context after this step
+    ctx_lens: torch.Tensor  # [B]
+    pos: torch.Tensor  # [B, Tq] position of each sequence's j-th new token (padded)
+    valid: torch.Tensor  # [B, Tq] True where j < query_lens[b]
+    index: torch.Tensor  # [B, Tq] packed index of each sequence's j-th new token
+    unpad_index: torch.Tensor  # [T] index into the flattened [B * Tq] padded queries
+    last_rows: torch.Tensor  # [B] packed index of each sequence's last new token
+    host_query_lens: list[int] | None
+
+    @staticmethod
+    def layout(query_lens: torch.Tensor, starts: torch.Tensor, dev: torch.device,
+               max_q: int | None, max_ctx: int | None, host_query_lens: Sequence[int] | None,
+               who: str) -> _Queries:
+        """The query layout; nothing read back from a device (see AttentionMeta.build)."""
+        on_cpu = dev.type == "cpu"
+        if not on_cpu and (max_q is None or max_ctx is None):
+            raise ValueError(f"{who}.build on {dev.type}: pass max_q and max_ctx (known "
+                             "on the host); reading them from the device would stall it")
+        b = query_lens.shape[0]
+        ctx_lens = starts + query_lens  # [B]
+        max_ctx = int(ctx_lens.max()) if max_ctx is None else max_ctx
+        tq = int(query_lens.max()) if max_q is None else max_q
+        if host_query_lens is None and on_cpu and tq > 1:
+            host_query_lens = query_lens.tolist()  # a CPU tensor: no device to wait for
         j = torch.arange(tq, device=dev)
-        q_pos = starts[:, None] + j[None, :]  # [B, Tq]
-        valid_q = j[None, :] < query_lens[:, None]  # [B, Tq]
+        pos = starts[:, None] + j[None, :]  # [B, Tq]
+        valid = j[None, :] < query_lens[:, None]  # [B, Tq]
         first = torch.cumsum(query_lens, 0) - query_lens  # packed index of each first token
-        q_index = torch.where(valid_q, first[:, None] + j[None, :], 0)
-        write_slots = ctx_slots.gather(1, q_pos.clamp(max=seq_len - 1))
-        mask = (pos[None, None, :] <= q_pos[:, :, None]) & valid_k[:, None, :]  # causal
+        index = torch.where(valid, first[:, None] + j[None, :], 0)
         if tq == 1:  # decode: every query is real, the packed order is the padded one
             unpad_index = torch.arange(b, device=dev)  # [T = B]
-            write_slots, q_pos = write_slots.view(b), q_pos.view(b)
-        else:
-            if host_query_lens is None:
-                raise ValueError("AttentionMeta.build: a prefill step on a GPU needs "
-                                 "host_query_lens (boolean indexing by a device mask syncs)")
-            # a padded query row must see something, or softmax over nothing is NaN (dropped)
-            mask[:, :, 0] |= ~valid_q
-            # the packed order, listed on the host where the lengths are known: [T] indices
-            # into the padded [B * Tq] (a device mask would need nonzero(), a sync, to do this)
+        elif host_query_lens is None:
+            raise ValueError(f"{who}.build: a prefill step on a GPU needs host_query_lens "
+                             "(boolean indexing by a device mask syncs)")
+        else:  # the packed order, listed on the host where the lengths are known: [T]
+            # indices into the padded [B * Tq] (a device mask would need nonzero(), a sync)
             unpad_index = AttentionMeta._host_to(
                 [i * tq + k for i, n in enumerate(host_query_lens) for k in range(n)], dev)
-            write_slots = write_slots.reshape(-1)[unpad_index]  # [T]
-            q_pos = q_pos.reshape(-1)[unpad_index]  # [T]
-        host_ctx = (None if host_starts is None or host_query_lens is None
-                    else [s + n for s, n in zip(host_starts, host_query_lens)])
-        return AttentionMeta(write_slots, q_pos, ctx_slots, ctx_lens, query_lens,
-                             q_index, unpad_index, mask, first + query_lens - 1,
-                             None if host_query_lens is None else list(host_query_lens),
-                             host_ctx)
+        return _Queries(tq, max_ctx, ctx_lens, pos, valid, index, unpad_index,
+                        first + query_lens - 1,
+                        None if host_query_lens is None else list(host_query_lens))
+
+    def packed(self, x: torch.Tensor) -> torch.Tensor:
+        """A padded [B, Tq] tensor in packed order: [T]."""
+        return x.reshape(-1) if self.tq == 1 else x.reshape(-1)[self.unpad_index]
+
+    def host_ctx_lens(self, host_starts: Sequence[int] | None) -> list[int] | None:
+        """Context lengths as a host list, when the starts are known on the host."""
+        if host_starts is None or self.host_query_lens is None:
+            return None
+        return [s + n for s, n in zip(host_starts, self.host_query_lens)]
 
 
 class AttentionBackend:
@@ -370,43 +400,14 @@ class FlashMeta(AttentionMeta):
               host_query_lens: Sequence[int] | None = None,
               host_starts: Sequence[int] | None = None) -> FlashMeta:
         """Same arguments as AttentionMeta.build; only O(T) index tensors."""
-        dev = block_tables.device
-        on_cpu = dev.type == "cpu"
-        if not on_cpu and (max_q is None or max_ctx is None):
-            raise ValueError(f"FlashMeta.build on {dev.type}: pass max_q and max_ctx (known "
-                             "on the host); reading them from the device would stall it")
-        b = query_lens.shape[0]
-        ctx_lens = starts + query_lens  # [B]
-        max_ctx = int(ctx_lens.max()) if max_ctx is None else max_ctx
-        tq = int(query_lens.max()) if max_q is None else max_q
-        if host_query_lens is None and on_cpu and tq > 1:
-            host_query_lens = query_lens.tolist()  # a CPU tensor: no device to wait for
-        j = torch.arange(tq, device=dev)
-        q_pos = starts[:, None] + j[None, :]  # [B, Tq]
-        valid_q = j[None, :] < query_lens[:, None]
-        first = torch.cumsum(query_lens, 0) - query_lens
-        q_index = torch.where(valid_q, first[:, None] + j[None, :], 0)
-        page = block_tables.gather(1, (q_pos // block_size).clamp(max=block_tables.shape[1] - 1))
-        write_slots = page * block_size + q_pos % block_size  # [B, Tq]
-        if tq == 1:
-            unpad_index = torch.arange(b, device=dev)  # [T = B]
-            write_slots, q_pos = write_slots.view(b), q_pos.view(b)
-        else:
-            if host_query_lens is None:
-                raise ValueError("FlashMeta.build: a prefill step on a GPU needs "
-                                 "host_query_lens (boolean indexing by a device mask syncs)")
-            # the packed order, listed on the host (see AttentionMeta.build)
-            unpad_index = AttentionMeta._host_to(
-                [i * tq + k for i, n in enumerate(host_query_lens) for k in range(n)], dev)
-            write_slots = write_slots.reshape(-1)[unpad_index]  # [T]
-            q_pos = q_pos.reshape(-1)[unpad_index]  # [T]
-        host_ctx = (None if host_starts is None or host_query_lens is None
-                    else [s + n for s, n in zip(host_starts, host_query_lens)])
-        return FlashMeta(write_slots, q_pos, None, ctx_lens, query_lens, q_index, unpad_index,
-                         None, first + query_lens - 1,
-                         None if host_query_lens is None else list(host_query_lens), host_ctx,
-                         block_tables=block_tables, block_size=block_size, starts=starts,
-                         max_ctx=max_ctx)
+        q = _Queries.layout(query_lens, starts, block_tables.device, max_q, max_ctx,
+                            host_query_lens, "FlashMeta")
+        page = block_tables.gather(1, (q.pos // block_size).clamp(max=block_tables.shape[1] - 1))
+        write_slots = page * block_size + q.pos % block_size  # [B, Tq]
+        return FlashMeta(q.packed(write_slots), q.packed(q.pos), None, q.ctx_lens, query_lens,
+                         q.index, q.unpad_index, None, q.last_rows, q.host_query_lens,
+                         q.host_ctx_lens(host_starts), block_tables=block_tables,
+                         block_size=block_size, starts=starts, max_ctx=q.max_ctx)
 
 
 class FlashAttention(AttentionBackend):
