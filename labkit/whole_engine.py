@@ -95,7 +95,8 @@ class EngineSetup:
     def off(self) -> list[str]:
         """The features this setup has turned off."""
         return [name for name, (attr, value) in FEATURES.items()
-                if getattr(self, attr) == value]
+                if getattr(self, attr) == value
+                or (attr == "attention" and self.attention != "flash")]  # naive is off too
 
     def engine_kwargs(self) -> dict:
         """The Engine keyword arguments of this setup (the decoder and weights are apart)."""
