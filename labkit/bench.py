@@ -364,6 +364,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_lazy("labkit.bench_serve"), "TTFT, TPOT, goodput under arrivals, by batching"),
     "paged": (_lazy("labkit.bench_paged"), "KV cache policies at equal memory: concurrency"),
     "step": (_lazy("labkit.bench_step"), "a decode step by phase; engine step vs bare forward"),
+    "ablation": (_lazy("labkit.bench_ablation"), "the whole engine, each feature off in turn"),
 }
 
 
