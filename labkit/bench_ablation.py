@@ -99,13 +99,21 @@ def fit_step_cost(timeline: Timeline, step_tokens: list[int]) -> tuple[float, fl
     return max(my - b * mx, 0.0), b, h
 
 
+def predict_wall(steps: int, tokens: int, a: float, b: float, h: float, pipelined: bool,
+                 fixed_scale: float = 1.0) -> float:
+    """The cost model's wall seconds: `steps` launches computing `tokens` tokens in all, each
+    launch costing the device a * fixed_scale + b * its tokens and the host h; the blocking
+    loop adds the two, the pipelined one overlaps them (the chapter-08 exercise's reference)."""
+    device = steps * a * fixed_scale + tokens * b  # fixed_scale: weight bytes, chapter 03
+    host = steps * h
+    return max(host, device) if pipelined else host + device
+
+
 def predicted_wall(setup: EngineSetup, counts: dict, a: float, b: float, h: float,
                    fixed_scale: float = 1.0) -> float:
-    """The cost model's wall seconds for a setup's counts (see the module docstring)."""
-    steps, tokens = counts["steps"], sum(counts["step_tokens"])
-    device = steps * a * fixed_scale + tokens * b
-    hostw = steps * h
-    return hostw + device if setup.decoder == "blocking" else max(hostw, device)
+    """`predict_wall` for a setup's measured counts."""
+    return predict_wall(counts["steps"], sum(counts["step_tokens"]), a, b, h,
+                        setup.decoder == "pipelined", fixed_scale)
 
 
 def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,

@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -206,6 +206,30 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+def relay(next_event: Callable[[float], tuple[str, Any] | None],
+          is_disconnected: Callable[[], bool], cancel: Callable[[], None],
+          poll_s: float = 0.25) -> tuple[list[str], Any] | None:
+    """A request handler's rule, without the asyncio: collect a request's text until it is
+    done; a client that has gone cancels it, once, and only while it still runs.
+
+    next_event(timeout) returns ("text", piece), ("done", completion) or None (nothing came
+    within `timeout` s). Returns (pieces, completion), or None once the client has left (the
+    chapter-08 exercise's reference; the async handler in `create_app` follows it)."""
+    pieces: list[str] = []
+    while True:
+        event = next_event(poll_s)
+        if event is None:  # quiet: is anyone still listening?
+            if is_disconnected():
+                cancel()  # the engine frees its pages once no step in flight holds them
+                return None
+            continue
+        kind, value = event
+        if kind == "text":
+            pieces.append(value)
+        else:  # done: the engine has released it (or will): never cancel a finished request
+            return pieces, value
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
