@@ -19,12 +19,14 @@ __all__ = ["Completion", "Engine", "RequestError", "SamplingParams", "generate",
 _ENGINES: dict[tuple, Engine] = {}
 
 
-def get_engine(model: str = "smollm2-135m", **engine_kwargs) -> Engine:
-    """A cached engine for a model name or path (loaded once per process)."""
-    key = (model, tuple(sorted(engine_kwargs.items())))
+def get_engine(model: str = "smollm2-135m", quant: str | None = None, **engine_kwargs
+               ) -> Engine:
+    """A cached engine for a model name or path (loaded once per process); `quant`: a
+    labkit.quant scheme name, or None for fp32 weights."""
+    key = (model, quant, tuple(sorted(engine_kwargs.items())))
     if key not in _ENGINES:
         from labkit.loading import load_model
-        m, tok = load_model(model)
+        m, tok = load_model(model, quant=quant)
         _ENGINES[key] = Engine(m, tok, **engine_kwargs)
     return _ENGINES[key]
 

@@ -16,6 +16,7 @@ COMMANDS = {
     "roofline": ("labkit.cli", "roofline_main", "roofline analysis of a model on a device"),
     "serve": ("labkit.server", "serve_main", "an OpenAI-compatible HTTP server over the engine"),
     "grade": ("labkit.check", "main", "grade your answers in exercises/, one line each"),
+    "eval": ("labkit.eval_ppl", "main", "evaluate a model: `eval ppl` (perplexity on a text)"),
 }
 
 

@@ -222,7 +222,7 @@ def _agree_until_eos(ours: list[int], theirs: list[int], eos: int) -> bool:
 
 def bench_generate(streams: int = 32, threads: int | None = None, model: str = "smollm2-135m",
                    quick: bool = False, rounds: int = 1, log: Callable[[str], None] = print,
-                   attention: str = "paged") -> dict:
+                   attention: str = "paged", quant: str | None = None) -> dict:
     """labkit against transformers on the same requests; throughput of each and the ratio."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -235,7 +235,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
     torch.set_num_threads(threads)
     if quick:
         streams = min(streams, 8)
-    m, tok = load_model(model)
+    m, tok = load_model(model, quant=quant)
     if model == "smollm2-135m":
         hf = hf_reference_model()
     elif Path(model).is_dir():
@@ -281,7 +281,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
         "ratio": rate["labkit"] / rate[hf_best], "streams": streams, "threads": threads,
         "tokens": totals["labkit"][1] // rounds, "rounds": rounds, "hf_batching": hf_best,
         "hf_grouped_tok_s": rate["grouped"], "hf_padded_tok_s": rate["padded"],
-        "same_tokens_as_hf": agree, "model": model,
+        "same_tokens_as_hf": agree, "model": model, "quant": quant or "none",
         "torch": torch.__version__,
     }
 
@@ -300,8 +300,16 @@ def generate_main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="8 requests, 4-16 new tokens each")
     p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
                    help="labkit's attention backend")
+    p.add_argument("--quant", default="none", help="labkit's weights: none, int8, "
+                   "int4[-gN][-awq] (transformers stays fp32)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
+    from labkit.quant import QuantScheme
+
+    try:
+        scheme = QuantScheme.parse(args.quant)
+    except ValueError as err:
+        p.error(f"--quant: {err}")
     if not 1 <= args.streams <= len(INSTRUCTIONS):
         p.error(f"--streams must be in 1..{len(INSTRUCTIONS)}")
     if args.threads is not None and args.threads < 1:
@@ -314,7 +322,7 @@ def generate_main(argv: list[str]) -> int:
         f"{os.cpu_count()} cores")
     try:
         res = bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds, log,
-                             args.attention)
+                             args.attention, scheme.name if scheme else None)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -357,6 +365,13 @@ def _lazy(module: str) -> Callable[[list[str]], int]:
     return main_
 
 
+def quant_main(argv: list[str]) -> int:
+    """`python -m labkit bench quant`: fp32 against int8/int4 weights (labkit.bench_quant)."""
+    from labkit.bench_quant import main as bench_quant_main
+
+    return bench_quant_main(argv)
+
+
 SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "generate": (generate_main, "labkit against transformers' generate, tokens/s"),
     "decode": (decode_main, "blocking against pipelined decoding, ms per step"),
@@ -364,6 +379,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_lazy("labkit.bench_serve"), "TTFT, TPOT, goodput under arrivals, by batching"),
     "paged": (_lazy("labkit.bench_paged"), "KV cache policies at equal memory: concurrency"),
     "step": (_lazy("labkit.bench_step"), "a decode step by phase; engine step vs bare forward"),
+    "quant": (quant_main, "fp32 against int8/int4 weights: step ms, tokens/s, NLL"),
     "ablation": (_lazy("labkit.bench_ablation"), "the whole engine, each feature off in turn"),
 }
 

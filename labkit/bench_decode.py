@@ -254,6 +254,7 @@ def main(argv: list[str]) -> int:
                    default="auto", help="auto: cuda when present, else the simulated process")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights and KV cache (bfloat16: what a GPU serves in)")
+    p.add_argument("--quant", default="none", help="weights: none, int8, int4[-gN][-awq]")
     p.add_argument("--tokens", type=int, default=110, help="new tokens per request")
     p.add_argument("--repeats", type=int, default=3, help="workloads timed per row")
     p.add_argument("--segment", type=int, default=12,
@@ -294,7 +295,7 @@ def main(argv: list[str]) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "process"
     try:
-        model, tok = load_model(args.model, getattr(torch, args.dtype))
+        model, tok = load_model(args.model, getattr(torch, args.dtype), quant=args.quant)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -322,7 +323,7 @@ def main(argv: list[str]) -> int:
         r.pop("pair_speedups")
         r.update(device=hardware, model=args.model, dtype=args.dtype, tokens=args.tokens,
                  constraint=args.constraint, extra_host_ms=args.extra_host_ms,
-                 attention=args.attention)
+                 attention=args.attention, quant=args.quant)
     if args.json:
         for r in rows:
             print(json.dumps(r))

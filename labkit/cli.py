@@ -50,6 +50,8 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-tokens", type=int, default=16384,
                    help="KV pool size in tokens; a small pool forces preemption")
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous")
+    p.add_argument("--quant", default="none",
+                   help="weights: none, int8, int4[-gN][-awq] (labkit.quant)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per request on stdout, in input order")
     return p
@@ -134,13 +136,19 @@ def _generate(args) -> int:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     import labkit
     from labkit.constraints_json import parse_constraint
+    from labkit.quant import QuantScheme
     from labkit.scheduler import RequestError
 
+    try:
+        scheme = QuantScheme.parse(args.quant)
+    except ValueError as err:
+        raise UsageError(f"--quant: {err}") from None
     t0 = time.perf_counter()
     try:
         engine = labkit.get_engine(args.model, attention=args.attention,
                                    max_step_tokens=args.max_step_tokens,
-                                   kv_tokens=args.kv_tokens, batching=args.batching)
+                                   kv_tokens=args.kv_tokens, batching=args.batching,
+                                   quant=scheme.name if scheme else None)
     except (ValueError, RuntimeError, OSError) as err:
         raise UsageError(str(err)) from None
     load_s = time.perf_counter() - t0
@@ -184,7 +192,7 @@ def _generate(args) -> int:
     print(f"[labkit] {len(outs)} requests, {n_tok} tokens in {gen_s:.2f} s "
           f"({n_tok / gen_s:.1f} tok/s), median time to first token {ttft * 1e3:.0f} ms, "
           f"model load {load_s:.1f} s, decoder {args.decoder}, "
-          f"attention {args.attention}", file=sys.stderr)
+          f"attention {args.attention}, quant {args.quant}", file=sys.stderr)
     return 0
 
 

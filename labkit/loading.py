@@ -311,9 +311,59 @@ def from_hf(source: str | Path | nn.Module, dtype: torch.dtype = torch.float32) 
 # the entry point
 
 
-def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32
+def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
+               quant: str | None = None, fuse: bool | None = None
                ) -> tuple[LlamaModel, Tokenizer]:
-    """(model, tokenizer) for a preset name, a Llama .gguf file or a HF checkpoint directory."""
+    """(model, tokenizer) for a preset name, a Llama .gguf file or a HF checkpoint directory.
+
+    `quant`: None/"none", or a labkit.quant scheme ("int8", "int4-g64", "int4-awq", ...);
+    a GGUF model's quantized weights are cached beside its fp32 entry, keyed by the scheme.
+    `fuse`: fuse q/k/v and gate/up into one linear each (LlamaModel.fuse_projections), after
+    quantizing: 3 fewer calls per layer and step, same outputs. None: fuse quantized models
+    only (an fp32 model keeps the per-projection layout its parity tests name).
+    """
+    model, tok = _load_plain(name_or_path, dtype)
+    from labkit.quant import QuantScheme
+
+    scheme = QuantScheme.parse(quant)
+    if scheme is not None:
+        model = _quantized(model, tok, scheme, name_or_path)
+    if fuse or (fuse is None and scheme is not None):
+        model.fuse_projections()
+    return model, tok
+
+
+def _quantized(model: LlamaModel, tok, scheme, name_or_path: str) -> LlamaModel:
+    """Quantize a freshly assembled model; GGUF models through a cache entry per scheme."""
+    from labkit.quant import QUANT_VERSION, load_quantized, quantize_model, quantized_state
+
+    def quantize(m: LlamaModel) -> LlamaModel:
+        if not scheme.awq:
+            return quantize_model(m, scheme)
+        from labkit.awq import quantize_awq
+        from labkit.perplexity import calibration_ids
+
+        return quantize_awq(m, scheme, calibration_ids(tok))
+
+    path = packaged_gguf() if name_or_path == "smollm2-135m" else Path(name_or_path)
+    if not (path.is_file() and path.suffix == ".gguf"):  # tiny, random, HF: seconds at most
+        return quantize(model)
+    from safetensors.torch import load_file, save_file
+
+    built: list[LlamaModel] = []
+
+    def build(tmp: Path) -> None:
+        built.append(quantize(model))
+        save_file(quantized_state(built[0]), str(tmp / "quant.safetensors"))
+
+    entry = build_atomically(cache_entry(path) / f"{scheme.name}-q{QUANT_VERSION}", build)
+    if built:  # this process just quantized it
+        return built[0]
+    return load_quantized(model, scheme, load_file(str(entry / "quant.safetensors")))
+
+
+def _load_plain(name_or_path: str, dtype: torch.dtype) -> tuple[LlamaModel, Tokenizer]:
+    """(model, tokenizer), unquantized: see load_model."""
     # GGUF models loaded twice in one process share their weight tensors (never written to)
     if name_or_path == "smollm2-135m":
         path = packaged_gguf()

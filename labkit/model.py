@@ -111,7 +111,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # x: [..., d]; weight: [d]
     x32 = x.float()
     inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (x32 * inv_rms).to(x.dtype) * weight
+    y = (x32 * inv_rms).to(x.dtype)  # a new tensor: scaling it in place is safe
+    return y.mul_(weight) if y.dtype == weight.dtype else y * weight
 
 
 def rope_tables(head_dim: int, theta: float, positions: torch.Tensor
@@ -149,6 +150,23 @@ class DecoderLayer(nn.Module):
         self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
+        # set by fuse_projections: q|k|v as one linear, gate|up as another (fewer, larger calls)
+        self.qkv_proj: nn.Module | None = None
+        self.gate_up_proj: nn.Module | None = None
+
+    def fuse_projections(self) -> None:
+        """Replace q, k, v by one `qkv_proj` and gate, up by one `gate_up_proj`, in place.
+
+        Same outputs (the rows of one matmul are the rows of the three), 7 -> 4 linear calls a
+        layer: at batch 1 each call is mostly fixed dispatch cost, not arithmetic. A linear that
+        is not an nn.Linear (a labkit.quant.QuantLinear) fuses through its class's `concat`.
+        """
+        if self.qkv_proj is not None:
+            return
+        self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
+        for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            delattr(self, name)  # the fused copies replace them: no weight is held twice
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: Attention) -> torch.Tensor:
@@ -156,14 +174,39 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         # x: [T, d]
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        q = self.q_proj(h).view(t, cfg.num_heads, cfg.head_dim)  # q: [T, H, D]
-        k = self.k_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)  # k: [T, Hkv, D]
-        v = self.v_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)  # v: [T, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qkv_proj is not None:  # fused: one call, and one RoPE for q and k together
+            qkv = self.qkv_proj(h).view(t, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+            qk = apply_rope(qkv[:, :cfg.num_heads + cfg.num_kv_heads], cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+            v = qkv[:, cfg.num_heads + cfg.num_kv_heads:]  # v: [T, Hkv, D]
+        else:
+            q = self.q_proj(h).view(t, cfg.num_heads, cfg.head_dim)  # q: [T, H, D]
+            k = self.k_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)  # k: [T, Hkv, D]
+            v = self.v_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)  # v: [T, Hkv, D]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn.attend(self.layer, q, k, v)  # o: [T, H, D]
-        x = x + self.o_proj(o.reshape(t, cfg.num_heads * cfg.head_dim))
+        x = x + self.o_proj(o.reshape(t, cfg.num_heads * cfg.head_dim))  # a new x: ours to add to
         h = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [T, F] each
+        else:
+            gate, up = self.gate_proj(h), self.up_proj(h)
+        return x.add_(self.down_proj(F.silu(gate).mul_(up)))
+
+
+def concat_linears(linears: list[nn.Module]) -> nn.Module:
+    """One linear whose output rows are those of `linears` in order (all read the same input)."""
+    if any(type(lin) is not nn.Linear for lin in linears):
+        return type(linears[0]).concat(linears)  # e.g. QuantLinear.concat: codes stay packed
+    has_bias = linears[0].bias is not None
+    fused = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears),
+                      bias=has_bias, device="meta")
+    fused.weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]),
+                                requires_grad=False)  # [sum N, K]
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]),
+                                  requires_grad=False)
+    return fused
 
 
 class LlamaModel(nn.Module):
@@ -177,6 +220,12 @@ class LlamaModel(nn.Module):
         self.final_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def fuse_projections(self) -> LlamaModel:
+        """Fuse every layer's q/k/v and gate/up projections (DecoderLayer.fuse_projections)."""
+        for layer in self.layers:
+            layer.fuse_projections()
+        return self
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -196,7 +245,9 @@ class LlamaModel(nn.Module):
         if logit_rows is not None:
             x = x[logit_rows]
         x = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
-        return x @ self.head_weight.t()  # [R, V]
+        if self.lm_head is not None:  # untied, or a quantized head (labkit.quant)
+            return self.lm_head(x)  # [R, V]
+        return x @ self.embed.weight.t()  # [R, V]
 
 
 def init_random(model: LlamaModel, seed: int = 0) -> LlamaModel:

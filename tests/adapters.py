@@ -29,6 +29,7 @@ def solutions() -> dict[str, Callable]:
     """Exercise name -> the function the graders check (learner's or labkit's)."""
     from labkit import (
         attention,
+        awq,
         bench_ablation,
         bench_decode,
         decode_pipelined,
@@ -36,6 +37,7 @@ def solutions() -> dict[str, Callable]:
         metrics,
         model,
         paged_kv,
+        quant,
         roofline,
         sampling,
         sequence,
@@ -55,6 +57,12 @@ def solutions() -> dict[str, Callable]:
                                   roofline.decode_step_flops),
         "decode_step_bytes": pick("ch01_roofline", "decode_step_bytes",
                                   roofline.decode_step_bytes),
+        # chapter 03
+        "quantize_int8": pick("ch03_quantization", "quantize_int8", quant.quantize_int8),
+        "dequantize_int8": pick("ch03_quantization", "dequantize_int8", quant.dequantize_int8),
+        "pack_int4": pick("ch03_quantization", "pack_int4", quant.pack_int4),
+        "unpack_int4": pick("ch03_quantization", "unpack_int4", quant.unpack_int4),
+        "awq_scale": pick("ch03_quantization", "awq_scale", awq.awq_scale),
         # chapter 04
         "online_softmax_update": pick("ch04_flash_attention", "online_softmax_update",
                                       attention.online_softmax_update),

@@ -77,8 +77,9 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             rms_norm_eps=1e-5, attn_implementation="eager")
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-qkv-gate-up"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_tiny_random_matches_transformers_on_ragged_batch(family):
+def test_tiny_random_matches_transformers_on_ragged_batch(family, fused):
     if family == "llama":  # tied head, no bias
         hf = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True))
     else:  # q/k/v bias, untied head, another rope theta
@@ -88,6 +89,8 @@ def test_tiny_random_matches_transformers_on_ragged_batch(family):
     randomize(hf, seed=0)
     hf.eval()
     model = from_hf(hf)
+    if fused:  # q|k|v and gate|up as one linear each (labkit.model.concat_linears)
+        model.fuse_projections()
     assert model.cfg.attention_bias == (family == "qwen2")
     assert model.cfg.tie_embeddings == (family == "llama")
     seqs = random_seqs(TINY["vocab_size"], seed=1)

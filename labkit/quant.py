@@ -1,0 +1,371 @@
+"""Weight-only quantization: fewer bytes per weight, so a decode step reads fewer bytes.
+
+Decode reads every weight once per step, whatever the batch (chapter 01), so at batch 1 the
+step's time is its weight bytes over the memory bandwidth. Storing a weight in 8 or 4 bits
+instead of 32 cuts those bytes 4x or ~7x, *if the kernel reads the packed bytes*: quantizing,
+dequantizing back to fp32 and multiplying as before ("fake quantization") costs the error and
+buys nothing. So `QuantLinear` runs torch's packed CPU kernels:
+
+- **int8**, symmetric, one scale per output channel: `w ~ q * s`, q in [-127, 127] (never
+  -128: with a symmetric scale s = max|w| / 127 the code -128 is never a rounded value, and
+  clamping to it would make the grid lopsided). Kernel: `torch._weight_int8pack_mm`.
+- **int4**, asymmetric, one scale and one zero per group of `g` input weights (g = 32/64/128):
+  `w ~ (q - 8) * s + z`, q in [0, 15], which is exactly the tinygemm kernel's formula.
+  Kernel: `torch._weight_int4pack_mm_for_cpu` on `torch._convert_weight_to_int4pack_for_cpu`.
+- Both round to nearest (RTN). **AWQ-style** scaling goes further: before rounding, multiply the
+  input channels that large activations hit by a factor s (so they get finer steps) and divide
+  the layer's input by s, folded into the RMSNorm weight or the previous projection so that it
+  costs nothing at run time; s = mean|x|^alpha, alpha searched per layer on a calibration text.
+
+These CPU kernels take **bf16 activations** (fp32 activations send int8 to a slow path), so a
+QuantLinear casts its input to bf16 and its output back. Scales and zeros are rounded to bf16
+when quantizing, so the kernel and the dequantize reference (`QuantLinear.reference`) compute
+with the very same numbers. The tied embedding/LM head: the head is quantized like any linear;
+the embedding lookup keeps the exact fp32 rows (it reads one row per token, not the matrix).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+QUANT_VERSION = 1  # bump when the quantized format changes: cached entries go stale
+INT4_GROUPS = (32, 64, 128)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A weight-only quantization scheme: int8 per channel, or int4 in groups; RTN or AWQ."""
+
+    bits: int  # 8 or 4
+    group_size: int | None = None  # int4 only: input weights sharing a scale and a zero
+    awq: bool = False  # activation-aware input-channel scaling, searched on calibration text
+
+    def __post_init__(self) -> None:
+        if self.bits not in (8, 4):
+            raise ValueError(f"QuantScheme.bits must be 8 or 4, got {self.bits}")
+        if self.bits == 8 and self.group_size is not None:
+            raise ValueError("int8 is per output channel: it takes no group size")
+        if self.bits == 4 and self.group_size not in INT4_GROUPS:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUPS}, "
+                             f"got {self.group_size}")
+
+    @property
+    def name(self) -> str:
+        """The CLI spelling: int8, int4-g32, int4-g128-awq, ..."""
+        base = "int8" if self.bits == 8 else f"int4-g{self.group_size}"
+        return base + ("-awq" if self.awq else "")
+
+    @staticmethod
+    def parse(spec: str | QuantScheme | None) -> QuantScheme | None:
+        """`none`/None -> None; `int8`, `int4` (g32), `int4-g64`, `int4-g128-awq` -> a scheme."""
+        if spec is None or isinstance(spec, QuantScheme):
+            return spec
+        m = re.fullmatch(r"(int8|int4)(?:-g(\d+))?(-awq)?", spec.strip().lower())
+        if spec.strip().lower() == "none":
+            return None
+        if m is None:
+            raise ValueError(f"unknown quantization {spec!r}: use none, int8, int4, int4-gN "
+                             f"(N in {INT4_GROUPS}), with an optional -awq suffix")
+        bits = int(m.group(1)[3:])
+        group = int(m.group(2)) if m.group(2) else (32 if bits == 4 else None)
+        return QuantScheme(bits, group, bool(m.group(3)))
+
+
+def _to_bf16_up(x: torch.Tensor) -> torch.Tensor:
+    """x rounded up in magnitude to a bf16 value, returned as fp32 (a scale that never shrinks)."""
+    b = x.to(torch.bfloat16).float()
+    bumped = torch.nextafter(b.to(torch.bfloat16), torch.full_like(b, math.inf).bfloat16()).float()
+    return torch.where(b < x, bumped, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# int8: symmetric, per output channel
+
+
+def quantize_int8(w: torch.Tensor, bf16_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round w [N, K] to int8 codes q [N, K] in [-127, 127] and per-row scales s [N]: w ~ q * s."""
+    # one scale per output channel (row): a row's outliers cost only that row's resolution
+    amax = w.abs().amax(dim=1).float().clamp(min=1e-8)  # [N]
+    scale = amax / 127.0
+    if bf16_scales:  # the kernel multiplies by a bf16 scale: make it exactly that one
+        scale = _to_bf16_up(scale)
+    q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 weights [N, K] from int8 codes [N, K] and per-row scales [N]."""
+    return q.float() * scale[:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# int4: asymmetric, per group of input weights, two codes per byte
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, bf16_scales: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes q [N, K] in [0, 15] (uint8), scales and zeros [N, K/g]: w ~ (q - 8) * s + z."""
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4: K={k} is not a multiple of the group size {group_size}")
+    wg = w.float().reshape(n, k // group_size, group_size)  # [N, G, g]
+    lo, hi = wg.amin(-1), wg.amax(-1)  # [N, G]
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8)  # 16 levels span [lo, hi]
+    if bf16_scales:
+        scale = _to_bf16_up(scale)
+    zero = lo + 8 * scale  # the value of code 8: the kernel centres codes on 8
+    if bf16_scales:
+        zero = zero.to(torch.bfloat16).float()
+    q = torch.round((wg - zero[..., None]) / scale[..., None]) + 8
+    return q.clamp(0, 15).to(torch.uint8).reshape(n, k), scale, zero
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """fp32 weights [N, K] from codes [N, K] in [0, 15] and group scales, zeros [N, K/g]."""
+    n, k = q.shape
+    g = k // scale.shape[1]
+    qg = q.float().reshape(n, -1, g)  # [N, G, g]
+    return ((qg - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
+
+
+def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Quantize then dequantize w [N, K] (fp32 in, fp32 out): the error, without the savings."""
+    if scheme.bits == 8:
+        return dequantize_int8(*quantize_int8(w, bf16_scales=True))
+    return dequantize_int4(*quantize_int4(w, int4_group_for(w.shape[1], scheme.group_size),
+                                          bf16_scales=True))
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte: [N, K] -> [N, K/2] uint8; column 2j in the LOW nibble."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4: [N, K/2] uint8 -> [N, K] codes in [0, 15]."""
+    lo, hi = packed & 0x0F, packed >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
+
+
+def int4_group_for(k: int, group_size: int) -> int:
+    """The group used for a K-wide input: the scheme's, halved until it divides K (576 -> 64)."""
+    g = group_size
+    while k % g and g > 16:
+        g //= 2
+    if k % g:
+        raise ValueError(f"int4: no group size from {group_size} down to 16 divides K={k}")
+    return g
+
+
+# ---------------------------------------------------------------------------------------------
+# the packed linear
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W stored in int8 or int4, on torch's packed kernels.
+
+    Persistent buffers hold the canonical codes (what the cache stores): int8 `qweight`
+    [N, K] and `scale` [N]; int4 `qweight` [N, K/2] (pack_int4), `scale`, `zero` [N, K/g].
+    The kernel's own layout (`kweight`, `kscale`) is derived from them and not stored.
+    """
+
+    def __init__(self, in_features: int, out_features: int, scheme: QuantScheme,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.group_size = (int4_group_for(in_features, scheme.group_size)
+                           if scheme.bits == 4 else None)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
+                                                           requires_grad=False)
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, scheme: QuantScheme,
+                    bias: torch.Tensor | None = None) -> QuantLinear:
+        """Quantize an fp32 weight [N, K] (round to nearest) into a QuantLinear."""
+        n, k = w.shape
+        ql = cls(k, n, scheme, bias)
+        if scheme.bits == 8:
+            q, s = quantize_int8(w, bf16_scales=True)
+            ql.set_codes(q, s)
+        else:
+            q, s, z = quantize_int4(w, ql.group_size, bf16_scales=True)
+            ql.set_codes(pack_int4(q), s, z)
+        return ql
+
+    @classmethod
+    def concat(cls, parts: list[QuantLinear]) -> QuantLinear:
+        """One QuantLinear whose output rows are those of `parts` in order (same input, same
+        scheme): every output row is rounded on its own, so the codes simply stack."""
+        first = parts[0]
+        if any(p.scheme != first.scheme or p.in_features != first.in_features for p in parts):
+            raise ValueError("QuantLinear.concat: the parts must share the scheme and the input")
+        biases = [p.bias for p in parts]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            raise ValueError("QuantLinear.concat: either every part has a bias or none does")
+        bias = None if biases[0] is None else torch.cat(biases)
+        fused = cls(first.in_features, sum(p.out_features for p in parts), first.scheme, bias)
+        zero = None if first.scheme.bits == 8 else torch.cat([p.zero for p in parts])
+        fused.set_codes(torch.cat([p.qweight for p in parts]),  # [sum N, K] or [sum N, K/2]
+                        torch.cat([p.scale for p in parts]), zero)
+        return fused
+
+    def set_codes(self, qweight: torch.Tensor, scale: torch.Tensor,
+                  zero: torch.Tensor | None = None) -> None:
+        """Install canonical codes (fresh or from the cache) and build the kernel's layout."""
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        if zero is not None:
+            self.register_buffer("zero", zero.float().contiguous())
+        self._build_kernel_layout()
+
+    def _build_kernel_layout(self) -> None:
+        dev = self.qweight.device
+        if self.scheme.bits == 8:
+            kw, ks = self.qweight, self.scale.to(torch.bfloat16)
+        elif dev.type == "cuda":  # tinygemm: uint8 [N, K/2] in, its own tiled layout out
+            codes = unpack_int4(self.qweight)  # [N, K]
+            kw = torch.ops.aten._convert_weight_to_int4pack(pack_int4_hi_first(codes), 8)
+            ks = _scales_and_zeros(self.scale, self.zero)
+        else:
+            codes = unpack_int4(self.qweight).to(torch.int32)  # [N, K]
+            kw = torch._convert_weight_to_int4pack_for_cpu(codes, 1)  # [N, K/2], blocked
+            ks = _scales_and_zeros(self.scale, self.zero)
+        self.register_buffer("kweight", kw, persistent=False)
+        self.register_buffer("kscale", ks, persistent=False)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the kernel reads per call: codes plus scales (and zeros)."""
+        return (self.kweight.numel() * self.kweight.element_size()
+                + self.kscale.numel() * self.kscale.element_size())
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight [N, K] these codes stand for (the reference; fake quantization)."""
+        if self.scheme.bits == 8:
+            return dequantize_int8(self.qweight, self.scale)
+        return dequantize_int4(unpack_int4(self.qweight), self.scale, self.zero)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The naive path: dequantize to fp32, then an ordinary matmul (no bytes saved)."""
+        y = x.float() @ self.dequantized().to(x.device).t()
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]; the packed kernels take bf16 rows
+        lead = x.shape[:-1]
+        xb = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, K]
+        if self.scheme.bits == 8:
+            if xb.is_cuda:  # no fused int8 weight-only GEMM in torch core for CUDA
+                y = (xb @ self.kweight.t().to(torch.bfloat16)) * self.kscale
+            else:
+                y = torch._weight_int8pack_mm(xb, self.kweight, self.kscale)  # [M, N] bf16
+        elif xb.is_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(xb, self.kweight, self.group_size,
+                                                    self.kscale)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(xb, self.kweight, self.group_size,
+                                                  self.kscale)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        g = f", group={self.group_size}" if self.group_size else ""
+        return f"{self.in_features} -> {self.out_features}, {self.scheme.name}{g}"
+
+
+def pack_int4_hi_first(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes -> [N, K/2] uint8, column 2j in the HIGH nibble (CUDA tinygemm's input)."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] << 4) | q[:, 1::2]
+
+
+def _scales_and_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The tinygemm layout of group scales and zeros: [K/g, N, 2] bf16."""
+    return torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# whole models
+
+
+def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, linear) for every projection of a LlamaModel, and its output head."""
+    if any(layer.qkv_proj is not None for layer in model.layers):
+        raise ValueError("quantize a model before fuse_projections, not after: the scales and "
+                         "the cache are per projection")
+    out = [(layer, attr, getattr(layer, attr)) for layer in model.layers for attr in PROJECTIONS]
+    if isinstance(model.lm_head, nn.Linear):
+        out.append((model, "lm_head", model.lm_head))
+    return out
+
+
+def untie_head(model: nn.Module) -> None:
+    """Give a tied model an output head of its own (a copy), so it can change apart from the
+    embedding, whose lookup stays exact."""
+    if model.lm_head is None:
+        head = nn.Linear(model.cfg.hidden_size, model.cfg.vocab_size, bias=False, device="meta")
+        head.weight = nn.Parameter(model.embed.weight.detach().clone(), requires_grad=False)
+        model.lm_head = head
+
+
+def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
+    """Replace every projection and the output head by a QuantLinear, in place; returns model.
+
+    Round to nearest. The embedding stays exact; a tied head gets its own quantized copy of the
+    matrix. An AWQ scheme rounds the weights as they are: labkit.awq.quantize_awq folds its
+    scales in first (it imports this module, never the other way round).
+    """
+    scheme = QuantScheme.parse(scheme)
+    if scheme is None:
+        return model
+    _linears(model)  # refuses a fused model before anything changes
+    untie_head(model)
+    for parent, attr, lin in _linears(model):
+        setattr(parent, attr, QuantLinear.from_weight(lin.weight.detach(), scheme, lin.bias))
+    return model.eval().requires_grad_(False)
+
+
+def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What the cache stores: every persistent tensor of a quantized model but the embedding."""
+    return {k: v.contiguous() for k, v in model.state_dict().items() if k != "embed.weight"}
+
+
+def load_quantized(model: nn.Module, scheme: QuantScheme, state: dict[str, torch.Tensor]
+                   ) -> nn.Module:
+    """Rebuild a quantized model from `quantized_state` output, on an fp32 model; in place."""
+    names = [f"layers.{i}.{a}" for i in range(len(model.layers)) for a in PROJECTIONS]
+    for name in [*names, "lm_head"]:
+        q, s = state[f"{name}.qweight"], state[f"{name}.scale"]
+        k = q.shape[1] * (2 if scheme.bits == 4 else 1)  # int4 holds two codes per byte
+        ql = QuantLinear(k, s.shape[0], scheme, state.get(f"{name}.bias"))
+        ql.set_codes(q, s, state.get(f"{name}.zero"))
+        parent, attr = (model, "lm_head") if name == "lm_head" else (
+            model.layers[int(name.split(".")[1])], name.split(".")[2])
+        setattr(parent, attr, ql)
+    norms = {k: v for k, v in state.items() if k.endswith("norm")}
+    model.load_state_dict(norms, strict=False)  # AWQ folds its scales into the norms
+    return model.eval().requires_grad_(False)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every linear and norm (not the embedding table)."""
+    total = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            total += mod.weight_bytes
+        elif isinstance(mod, nn.Linear):
+            total += mod.weight.numel() * mod.weight.element_size()
+    if model.lm_head is None:  # tied and unquantized: the head reads the embedding matrix
+        total += model.embed.weight.numel() * model.embed.weight.element_size()
+    total += sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                 if n.endswith("norm"))
+    return total

@@ -1,0 +1,250 @@
+"""Weight-only quantization: the codes, the packed kernels against the dequantize reference,
+the AWQ fold, the model cache round trip, and quantized engines on both decoders."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from labkit.awq import apply_awq, quantize_awq, search_scale
+from labkit.decoders import run
+from labkit.loading import load_model
+from labkit.model import LlamaModel, ModelConfig, init_random
+from labkit.perplexity import CausalAttention
+from labkit.quant import (
+    QuantLinear,
+    QuantScheme,
+    dequantize_int4,
+    load_quantized,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    quantized_state,
+    unpack_int4,
+    untie_head,
+)
+
+SCHEMES = ["int8", "int4-g32", "int4-g64", "int4-g128"]
+
+
+def ref_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8, written out: scale = max|row| / 127, round, clamp to +-127."""
+    scale = w.abs().amax(dim=1) / 127
+    return torch.clamp(torch.round(w / scale[:, None]), -127, 127), scale
+
+
+def test_int8_codes_match_the_reference():
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
+    q, s = quantize_int8(w)
+    q_ref, s_ref = ref_int8(w)
+    assert q.dtype == torch.int8 and int(q.min()) >= -127, "int8 codes stay in [-127, 127]"
+    assert torch.equal(q.float(), q_ref) and torch.allclose(s, s_ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_rounds_to_the_nearest_level(group):
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(1))
+    q, s, z = quantize_int4(w, group)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    err = (dequantize_int4(q, s, z) - w).abs().reshape(16, -1, group)  # [N, G, g]
+    # round to nearest: no weight is more than half a step from its level (fp32 slack)
+    assert bool((err <= s[..., None] / 2 + 1e-6).all()), "RTN puts every weight within s/2"
+
+
+def test_pack_int4_round_trips_and_puts_even_columns_low():
+    q = torch.randint(0, 16, (8, 64), generator=torch.Generator().manual_seed(2),
+                      dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (8, 32) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed), q)
+    assert int(pack_int4(torch.tensor([[3, 12]], dtype=torch.uint8))) == 0xC3  # low nibble first
+
+
+@pytest.mark.parametrize("spec", SCHEMES)
+def test_packed_kernel_layout_holds_the_codes(spec):
+    # the kernel times the identity reads back each weight: its packed layout lost nothing
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(3))
+    ql = QuantLinear.from_weight(w, QuantScheme.parse(spec))
+    got = ql(torch.eye(128)).t()  # [N, K]
+    want = ql.dequantized().bfloat16().float()  # the kernel's output is bf16
+    assert torch.equal(got, want), f"{spec}: packed weights differ from the codes"
+
+
+@pytest.mark.parametrize("spec", SCHEMES)
+def test_quant_linear_matches_the_dequantize_reference(spec):
+    gen = torch.Generator().manual_seed(4)
+    w, x = torch.randn(192, 576, generator=gen), torch.randn(7, 576, generator=gen)
+    ql = QuantLinear.from_weight(w, QuantScheme.parse(spec), bias=torch.randn(192, generator=gen))
+    got, want = ql(x), ql.reference(x)
+    # tolerance: bf16 activations (8 bits of mantissa, 2^-9 relative) and bf16 outputs: 1% of
+    # the largest output bounds both; a wrong scale, zero or layout misses by far more
+    tol = 1e-2 * float(want.abs().max())
+    assert float((got - want).abs().max()) <= tol, f"{spec}: kernel and reference differ"
+    rel = float((ql.dequantized() - w).norm() / w.norm())
+    assert rel < (0.01 if spec == "int8" else 0.12), f"{spec}: quantization error {rel:.3f}"
+
+
+def test_scheme_names_parse_and_bad_ones_say_what_is_allowed():
+    assert QuantScheme.parse("none") is None
+    assert QuantScheme.parse("int4").name == "int4-g32"
+    assert QuantScheme.parse("int4-g128-awq") == QuantScheme(4, 128, True)
+    for bad in ("int3", "int4-g48", "int8-g32", "fp8"):
+        with pytest.raises(ValueError, match="int"):
+            QuantScheme.parse(bad)
+
+
+def tiny_model(seed: int = 0) -> LlamaModel:
+    return init_random(LlamaModel(ModelConfig.tiny(vocab_size=256)), seed).eval()
+
+
+def logits(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, torch.arange(len(ids)), CausalAttention(),
+                 logit_rows=torch.arange(len(ids)))
+
+
+def test_tied_head_is_quantized_and_the_embedding_stays_exact():
+    model = tiny_model()
+    embed = model.embed.weight.clone()
+    quantize_model(model, "int4")
+    assert isinstance(model.lm_head, QuantLinear)
+    assert torch.equal(model.embed.weight, embed), "the embedding lookup must stay exact"
+    assert all(isinstance(layer.down_proj, QuantLinear) for layer in model.layers)
+
+
+def test_awq_fold_leaves_the_fp32_model_unchanged():
+    # folding s into the norms / up rows and 1/s... is exact arithmetic: same logits before
+    # any rounding (so whatever AWQ changes later is the rounding alone)
+    model, ids = tiny_model(), torch.randint(0, 256, (40,), generator=torch.Generator())
+    want = logits(model, ids)
+    untie_head(model)
+    report = apply_awq(model, QuantScheme.parse("int4-g32-awq"), ids)
+    torch.testing.assert_close(logits(model, ids), want, atol=1e-4, rtol=1e-4)
+    assert all(err <= rtn for err, rtn in report.values()), "alpha=0 (plain RTN) is searched"
+
+
+def test_awq_scale_search_beats_rtn_on_an_outlier_channel():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 64, generator=gen)
+    x[:, 3] *= 30  # one channel that large activations hit
+    w = torch.randn(32, 64, generator=gen)
+    s, err, rtn = search_scale(x, [w], QuantScheme.parse("int4-g32"))
+    assert err < 0.8 * rtn and float(s[3]) == float(s.max())
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4-g64-awq"])
+def test_quantized_state_round_trips(spec):
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(6))
+    scheme = QuantScheme.parse(spec)
+    model = (quantize_awq(tiny_model(), scheme, ids) if scheme.awq
+             else quantize_model(tiny_model(), scheme))
+    again = load_quantized(tiny_model(), QuantScheme.parse(spec), quantized_state(model))
+    assert torch.equal(logits(again, ids), logits(model, ids))
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4-g32"])
+def test_fused_projections_give_the_same_logits(spec):
+    # q|k|v and gate|up stacked into one QuantLinear each: every output row is rounded on its
+    # own, so the fused model computes the same numbers with 3 fewer linear calls a layer
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(8))
+    model = quantize_model(tiny_model(), spec)
+    want = logits(model, ids)
+    model.fuse_projections()
+    assert isinstance(model.layers[0].qkv_proj, QuantLinear) and not hasattr(model.layers[0],
+                                                                            "q_proj")
+    torch.testing.assert_close(logits(model, ids), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="before fuse_projections"):
+        quantize_model(model, spec)
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4"])
+def test_quantized_engine_gives_the_same_tokens_on_both_decoders(spec):
+    from labkit import Engine
+    from labkit.sampling import SamplingParams
+
+    model, tok = load_model("tiny", quant=spec, fuse=True)
+    prompts = [[5, 9, 200, 7], [100, 3], [42] * 9]
+    outs = {}
+    for device in ("inprocess", "process"):
+        engine = Engine(model, tok, device=device, kv_tokens=512, max_seqs=4)
+        try:
+            for decoder in ("blocking", "pipelined"):
+                rids = [engine.submit(p, SamplingParams(max_new_tokens=10, temperature=0.8,
+                                                        seed=i, ignore_eos=True))
+                        for i, p in enumerate(prompts)]
+                run(engine, decoder)
+                outs[device, decoder] = [engine.completion(r, i, None).output_ids
+                                         for i, r in enumerate(rids)]
+                for r in rids:
+                    engine.forget(r)
+        finally:
+            engine.close()
+    first = outs["inprocess", "blocking"]
+    assert all(o == first for o in outs.values()), f"{spec}: decoders disagree: {outs}"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_eval_ppl_refuses_bad_files_with_one_line(tmp_path, capsys):
+    # in process (each `python -m labkit` costs seconds of imports): main() is what it runs
+    from labkit.eval_ppl import main
+
+    empty, binary = tmp_path / "empty.txt", tmp_path / "x.bin"
+    empty.write_text("  \n")
+    binary.write_bytes(b"\x00\x01\x02abc")
+    for path, why in [(tmp_path / "missing.txt", "no such file"), (empty, "empty"),
+                      (binary, "not a text file")]:
+        assert main(["ppl", "--file", str(path), "--model", "tiny"]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_eval_ppl_scores_a_text_quantized(tmp_path, capsys):
+    import json
+
+    from labkit.eval_ppl import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    assert main(["ppl", "--file", str(text), "--model", "tiny", "--quant", "int8",
+                 "--window", "64", "--stride", "32", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["quant"] == "int8" and row["tokens"] > 100 and row["ppl"] > 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("spec", ["int8", "int4-g32", "int4-g128"])
+def test_quant_linear_on_cuda_matches_the_reference(spec):
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(256, 512, generator=gen), torch.randn(5, 512, generator=gen)
+    ql = QuantLinear.from_weight(w, QuantScheme.parse(spec))
+    want = ql.reference(x)
+    ql = ql.cuda()
+    ql._build_kernel_layout()  # the CUDA kernel's own layout
+    got = ql(x.cuda()).cpu()
+    assert float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+
+
+def test_generate_and_bench_quant_take_the_flag(capsys):
+    import json
+
+    from labkit.bench_quant import main as bench_quant_main
+    from labkit.cli import generate_main
+
+    r = run_cli("generate", "--model", "tiny", "--quant", "int4-g64", "--max-new-tokens", "3",
+                "--json", "Hello")
+    assert r.returncode == 0 and "quant int4-g64" in r.stderr, r.stderr
+    assert generate_main(["--model", "tiny", "--quant", "int5", "Hello"]) == 2
+    assert "--quant" in capsys.readouterr().err
+    assert bench_quant_main(["--model", "tiny", "--schemes", "int8", "--batches", "1",
+                             "--rounds", "1", "--steps", "2", "--gen-tokens", "4",
+                             "--nll-tokens", "64", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["quant"] for row in rows] == ["none", "int8"]
+    assert rows[1]["weight_bytes"] < rows[0]["weight_bytes"] / 3
