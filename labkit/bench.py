@@ -136,7 +136,7 @@ def chat_workload(tok, n: int, lengths: tuple[int, ...] = OUTPUT_LENGTHS
 
 
 def run_labkit(engine, work: list[tuple[list[int], int]],
-               on_tokens: Callable[[int], object] | None = None
+               on_tokens: Callable[[int], object] | None = None, decoder: str = "blocking"
                ) -> tuple[float, int, list[list[int]]]:
     """All requests through the engine at once: (seconds, tokens, output ids per request).
 
@@ -147,7 +147,8 @@ def run_labkit(engine, work: list[tuple[list[int], int]],
     params = [labkit.SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in work]
     on_text = None if on_tokens is None else (lambda i, text: on_tokens(1))
     t0 = time.perf_counter()
-    outs = labkit.generate([ids for ids, _ in work], params, engine=engine, on_text=on_text)
+    outs = labkit.generate([ids for ids, _ in work], params, engine=engine, on_text=on_text,
+                           decoder=decoder)
     seconds = time.perf_counter() - t0
     engine.check_all_released()
     return seconds, sum(len(o.output_ids) for o in outs), [o.output_ids for o in outs]
@@ -222,7 +223,8 @@ def _agree_until_eos(ours: list[int], theirs: list[int], eos: int) -> bool:
 
 def bench_generate(streams: int = 32, threads: int | None = None, model: str = "smollm2-135m",
                    quick: bool = False, rounds: int = 1, log: Callable[[str], None] = print,
-                   attention: str = "paged", quant: str | None = None) -> dict:
+                   attention: str = "paged", quant: str | None = None,
+                   decoder: str = "blocking") -> dict:
     """labkit against transformers on the same requests; throughput of each and the ratio."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -249,7 +251,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
     engine = labkit.Engine(m, tok, max_seqs=max(streams, 1), attention=attention)
 
     warm = [(ids, 4) for ids, _ in work[:2]]  # first calls pay for allocation and dispatch
-    run_labkit(engine, warm)
+    run_labkit(engine, warm, decoder=decoder)
     run_hf(hf, warm, pad_id, "grouped")
     totals = {"labkit": [0.0, 0], "grouped": [0.0, 0], "padded": [0.0, 0]}
     outputs = {}
@@ -265,7 +267,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
             with progress(desc=f"round {r + 1}/{rounds}: {label}", total=total, unit="tok",
                           leave=False) as bar:
                 if who == "labkit":
-                    s, n, outs = run_labkit(engine, work, bar.update)
+                    s, n, outs = run_labkit(engine, work, bar.update, decoder)
                 else:
                     s, n, outs = run_hf(hf, work, pad_id, who, bar.update)
             totals[who][0] += s
@@ -282,7 +284,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
         "tokens": totals["labkit"][1] // rounds, "rounds": rounds, "hf_batching": hf_best,
         "hf_grouped_tok_s": rate["grouped"], "hf_padded_tok_s": rate["padded"],
         "same_tokens_as_hf": agree, "model": model, "quant": quant or "none",
-        "torch": torch.__version__,
+        "decoder": decoder, "attention": attention, "torch": torch.__version__,
     }
 
 
@@ -298,6 +300,8 @@ def generate_main(argv: list[str]) -> int:
                    help="smollm2-135m or a Hugging Face checkpoint directory")
     p.add_argument("--rounds", type=int, default=1, help="timed runs of each, alternating")
     p.add_argument("--quick", action="store_true", help="8 requests, 4-16 new tokens each")
+    p.add_argument("--decoder", choices=("blocking", "pipelined"), default="blocking",
+                   help="labkit's decode loop")
     p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
                    help="labkit's attention backend")
     p.add_argument("--quant", default="none", help="labkit's weights: none, int8, "
@@ -322,7 +326,7 @@ def generate_main(argv: list[str]) -> int:
         f"{os.cpu_count()} cores")
     try:
         res = bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds, log,
-                             args.attention, scheme.name if scheme else None)
+                             args.attention, scheme.name if scheme else None, args.decoder)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -380,6 +384,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "paged": (_lazy("labkit.bench_paged"), "KV cache policies at equal memory: concurrency"),
     "step": (_lazy("labkit.bench_step"), "a decode step by phase; engine step vs bare forward"),
     "quant": (quant_main, "fp32 against int8/int4 weights: step ms, tokens/s, NLL"),
+    "ablation": (_lazy("labkit.bench_ablation"), "the whole engine, each feature off in turn"),
 }
 
 

@@ -14,6 +14,11 @@ meeting `--slo-ttft-ms` and `--slo-tpot-ms`. With `--rounds R` the settings take
 (the order reversed every other round, so a machine's drift hits all alike) and each field is
 the median over rounds; `range` holds each field's [min, max] over the rounds (the band a
 comparison must clear). Progress goes to stderr.
+
+`--url http://host:port` sends the same seeded workload over HTTP to any OpenAI-compatible
+server instead (labkit's `python -m labkit serve`, vLLM, SGLang; `labkit.openai_client`) and
+reports the same row, with `batching` "url" and the server's own settings unknown (None). The
+prompts are token ids below `--vocab-size` (by default the vocabulary of `--model`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from labkit.workload import LengthDist, poisson_workload
 
 SHORT_PROMPTS = LengthDist(8, 64, median=20, sigma=0.6)  # --short: quick runs, same shape
 SHORT_OUTPUTS = LengthDist(4, 48, median=12, sigma=0.7)
+KNOWN_VOCAB = {"smollm2-135m": 49152, "tiny": 8192}  # labkit's models (loading.TINY_VOCAB)
 
 
 def _csv(kind, name: str):
@@ -73,7 +79,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--short", action="store_true",
                    help="short requests (prompts 8-64, outputs 4-48 tokens) for quick runs")
     p.add_argument("--json", action="store_true", help="JSON rows on stdout")
+    p.add_argument("--url", default=None, help="an OpenAI-compatible server (http://host:port) "
+                   "to send the workload to, instead of an engine in this process")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="with --url: prompt ids are below this (default: --model's vocabulary)")
     args = p.parse_args(argv)
+    if args.url is not None:
+        from labkit.openai_client import Endpoint
+
+        try:
+            args.endpoint = Endpoint.parse(args.url)
+        except ValueError as err:
+            p.error(str(err))
+        if args.vocab_size is None:
+            args.vocab_size = KNOWN_VOCAB.get(args.model)
+            if args.vocab_size is None:
+                p.error(f"--url with --model {args.model!r}: give --vocab-size (prompt ids "
+                        f"must be below the served model's vocabulary)")
+    if args.vocab_size is not None and args.vocab_size < 200:
+        p.error(f"--vocab-size must be >= 200, got {args.vocab_size}")
     if any(not r > 0 for r in args.rate):
         p.error(f"--rate must be > 0 requests/s, got {args.rate}")
     if args.requests < 1:
@@ -115,10 +139,37 @@ def serve_once(model, tok, requests, *, batching: str, max_step_tokens: int | No
     return summarize(lat, wall, slo).row()
 
 
+def serve_url(args: argparse.Namespace, log=print) -> list[dict]:
+    """The workload of each rate over HTTP to `args.endpoint`, `args.rounds` alternating turns;
+    median rows (the same fields as an in-process run's)."""
+    from labkit.openai_client import replay
+
+    kw = {"prompt": SHORT_PROMPTS, "output": SHORT_OUTPUTS} if args.short else {}
+    work = {r: poisson_workload(args.requests, r, seed=args.seed, vocab_size=args.vocab_size,
+                                **kw) for r in args.rate}
+    slo = SLO(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    model = args.endpoint.model_name()
+    runs: dict[float, list[dict]] = {r: [] for r in args.rate}
+    for rnd in range(args.rounds):
+        order = args.rate if rnd % 2 == 0 else args.rate[::-1]
+        for r in order:
+            log(f"  round {rnd + 1}/{args.rounds}: {args.url} ({model}) rate={r:g}/s ...")
+            lat, wall = replay(args.endpoint, work[r], model)
+            row = summarize(lat, wall, slo).row()
+            log(f"    {row['throughput_tok_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms"
+                f", TPOT p99 {row['tpot_p99_ms']:.0f} ms, goodput {row['goodput']:.0%}")
+            runs[r].append(row)
+    return [{"batching": "url", "rate": r, "requests": args.requests, "max_step_tokens": None,
+             **{k: statistics.median(g[k] for g in got) for k in got[0]},
+             "url": args.url, "model": model} for r, got in runs.items()]
+
+
 def bench_serve(args: argparse.Namespace, log=print) -> list[dict]:
     """Every (batching, rate, budget) setting, `args.rounds` alternating turns; median rows."""
     from labkit.loading import load_model
 
+    if getattr(args, "url", None) is not None:
+        return serve_url(args, log)
     model, tok = load_model(args.model)
     prompt, output = (SHORT_PROMPTS, SHORT_OUTPUTS) if args.short else (None, None)
     settings = [(b, r, t) for r in args.rate for t in args.max_step_tokens
@@ -158,7 +209,8 @@ def log(line: str) -> None:
 def main(argv: list[str]) -> int:
     """`python -m labkit bench serve ...`; returns the exit code."""
     args = parse_args(argv)
-    log(f"bench serve: {args.requests} requests, model {args.model}, decoder {args.decoder}")
+    log(f"bench serve: {args.requests} requests, "
+        + (f"to {args.url}" if args.url else f"model {args.model}, decoder {args.decoder}"))
     try:
         rows = bench_serve(args, log)
     except (ValueError, RuntimeError, OSError) as err:

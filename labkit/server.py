@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -171,6 +171,12 @@ class EngineWorker:
 # request bodies (the OpenAI API's fields that labkit supports; others are refused, not ignored)
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # a last chunk with the token counts, before [DONE]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -182,6 +188,8 @@ class _Body(BaseModel):
     seed: int | None = Field(default=None, ge=0)
     n: Literal[1] = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # an extension, as in vLLM and SGLang: run to max_tokens
     user: str | None = None
 
 
@@ -198,6 +206,30 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+def relay(next_event: Callable[[float], tuple[str, Any] | None],
+          is_disconnected: Callable[[], bool], cancel: Callable[[], None],
+          poll_s: float = 0.25) -> tuple[list[str], Any] | None:
+    """A request handler's rule, without the asyncio: collect a request's text until it is
+    done; a client that has gone cancels it, once, and only while it still runs.
+
+    next_event(timeout) returns ("text", piece), ("done", completion) or None (nothing came
+    within `timeout` s). Returns (pieces, completion), or None once the client has left (the
+    chapter-08 exercise's reference; the async handler in `create_app` follows it)."""
+    pieces: list[str] = []
+    while True:
+        event = next_event(poll_s)
+        if event is None:  # quiet: is anyone still listening?
+            if is_disconnected():
+                cancel()  # the engine frees its pages once no step in flight holds them
+                return None
+            continue
+        kind, value = event
+        if kind == "text":
+            pieces.append(value)
+        else:  # done: the engine has released it (or will): never cancel a finished request
+            return pieces, value
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -248,6 +280,7 @@ def create_app(engine: Engine, model_name: str, decoder: str = "pipelined",
             return SamplingParams(
                 max_new_tokens=body.max_tokens or default_max_tokens,
                 temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                ignore_eos=body.ignore_eos,
                 seed=body.seed if body.seed is not None else uuid.uuid4().int % 2**63)
         except (TypeError, ValueError) as err:
             raise BadRequest(str(err)) from None
@@ -280,7 +313,8 @@ def create_app(engine: Engine, model_name: str, decoder: str = "pipelined",
             return _error(503, str(err))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.stream:
-            return StreamingResponse(_stream(request, worker, job, rid, model_name, chat),
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(_stream(request, worker, job, rid, model_name, chat, usage),
                                      media_type="text/event-stream")
         text, done = [], None
         while done is None:
@@ -342,8 +376,9 @@ def _completion_body(c: Completion, rid: str, model: str, chat: bool) -> dict:
 
 
 async def _stream(request: Request, worker: EngineWorker, job: Job, rid: str, model: str,
-                  chat: bool) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per piece of text, a last one with the finish reason."""
+                  chat: bool, usage: bool = False) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per piece of text, a last one with the finish reason
+    (then, if `usage`, one with no choices and the token counts, as OpenAI's API does)."""
     created = int(time.time())
     kind_name = "chat.completion.chunk" if chat else "text_completion"
 
@@ -370,6 +405,10 @@ async def _stream(request: Request, worker: EngineWorker, job: Job, rid: str, mo
                 break
             else:
                 yield chunk(None, _finish_reason(value))
+                if usage:
+                    yield "data: " + json.dumps({"id": rid, "object": kind_name,
+                                                 "created": created, "model": model,
+                                                 "choices": [], "usage": _usage(value)}) + "\n\n"
                 break
         job.finished = True
         yield "data: [DONE]\n\n"
@@ -398,24 +437,47 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--kv-tokens", type=int, default=16384, help="KV pool size in tokens")
     p.add_argument("--max-tokens", type=int, default=16,
                    help="max_tokens when a request does not say")
+    # the engine's features (labkit.whole_engine): all on by default but quantization
+    p.add_argument("--quant", default="none", help="weights: none, int8, int4[-gN][-awq]")
+    p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
+                   help="attention backend")
+    p.add_argument("--max-step-tokens", default="512",
+                   help="tokens per launch (chunked prefill's budget), or 'none'")
+    p.add_argument("--batching", choices=("continuous", "static"), default="continuous")
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65536), got {args.port}")
     if args.kv_tokens < 1 or args.max_tokens < 1:
         p.error("--kv-tokens and --max-tokens must be >= 1")
+    budget = None if args.max_step_tokens.lower() == "none" else args.max_step_tokens
+    try:
+        budget = None if budget is None else int(budget)
+    except ValueError:
+        p.error(f"--max-step-tokens must be an integer or 'none', got {args.max_step_tokens!r}")
+    if budget is not None and budget < 1:
+        p.error(f"--max-step-tokens must be >= 1 (or 'none'), got {budget}")
+    from labkit.quant import QuantScheme
+
+    try:
+        scheme = QuantScheme.parse(args.quant)
+    except ValueError as err:
+        p.error(f"--quant: {err}")
     import uvicorn
 
     from labkit.loading import load_model
 
     try:
-        model, tok = load_model(args.model)
-        engine = Engine(model, tok, kv_tokens=args.kv_tokens, device=args.device)
+        model, tok = load_model(args.model, quant=scheme.name if scheme else None)
+        engine = Engine(model, tok, kv_tokens=args.kv_tokens, device=args.device,
+                        attention=args.attention, max_step_tokens=budget,
+                        batching=args.batching)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"python -m labkit serve: error: {err}", file=sys.stderr)
         return 2
     app = create_app(engine, args.model, args.decoder, args.max_tokens)
     print(f"[labkit] serving {args.model} on http://{args.host}:{args.port}/v1 "
-          f"({args.decoder} decoder)", file=sys.stderr, flush=True)
+          f"({args.decoder} decoder, {args.batching} batching, budget {budget} tokens/step, "
+          f"{args.attention} attention, weights {args.quant})", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:

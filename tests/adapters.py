@@ -30,6 +30,7 @@ def solutions() -> dict[str, Callable]:
     from labkit import (
         attention,
         awq,
+        bench_ablation,
         bench_decode,
         decode_pipelined,
         kv_sim,
@@ -41,6 +42,7 @@ def solutions() -> dict[str, Callable]:
         sampling,
         sequence,
         serve_sim,
+        server,
         timeline,
     )
 
@@ -85,4 +87,7 @@ def solutions() -> dict[str, Callable]:
         # chapter 06
         "bubble_fraction": pick("ch06_gpu_bubble", "bubble_fraction", timeline.idle_fraction),
         "cost_model": pick("ch06_gpu_bubble", "cost_model", bench_decode.cost_model),
+        # chapter 08
+        "predict_wall": pick("ch08_capstone", "predict_wall", bench_ablation.predict_wall),
+        "relay": pick("ch08_capstone", "relay", server.relay),
     }
