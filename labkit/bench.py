@@ -224,7 +224,8 @@ def _agree_until_eos(ours: list[int], theirs: list[int], eos: int) -> bool:
 def bench_generate(streams: int = 32, threads: int | None = None, model: str = "smollm2-135m",
                    quick: bool = False, rounds: int = 1, log: Callable[[str], None] = print,
                    attention: str = "paged", quant: str | None = None,
-                   decoder: str = "blocking") -> dict:
+                   decoder: str = "blocking", kv_tokens: int = 16384,
+                   max_step_tokens: int | None = 512) -> dict:
     """labkit against transformers on the same requests; throughput of each and the ratio."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -248,7 +249,8 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
                          f"smollm2-135m or a Hugging Face checkpoint directory, got {model!r}")
     pad_id = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else tok.eos_id
     work = chat_workload(tok, streams, QUICK_LENGTHS if quick else OUTPUT_LENGTHS)
-    engine = labkit.Engine(m, tok, max_seqs=max(streams, 1), attention=attention)
+    engine = labkit.Engine(m, tok, max_seqs=max(streams, 1), attention=attention,
+                           kv_tokens=kv_tokens, max_step_tokens=max_step_tokens)
 
     warm = [(ids, 4) for ids, _ in work[:2]]  # first calls pay for allocation and dispatch
     run_labkit(engine, warm, decoder=decoder)
@@ -304,6 +306,10 @@ def generate_main(argv: list[str]) -> int:
                    help="labkit's decode loop")
     p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
                    help="labkit's attention backend")
+    p.add_argument("--kv-tokens", type=int, default=16384,
+                   help="labkit's KV pool size in tokens (a small pool forces preemption)")
+    p.add_argument("--max-step-tokens", type=int, default=512,
+                   help="labkit's tokens per launch: decode rows plus prefill chunks")
     p.add_argument("--quant", default="none", help="labkit's weights: none, int8, "
                    "int4[-gN][-awq] (transformers stays fp32)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -320,13 +326,16 @@ def generate_main(argv: list[str]) -> int:
         p.error("--threads must be >= 1")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if args.kv_tokens < 1 or args.max_step_tokens < 1:
+        p.error("--kv-tokens and --max-step-tokens must be >= 1")
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print
     log(f"bench generate: {args.streams if not args.quick else min(args.streams, 8)} requests, "
         f"greedy, {args.threads or torch.get_num_threads()} torch threads, "
         f"{os.cpu_count()} cores")
     try:
         res = bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds, log,
-                             args.attention, scheme.name if scheme else None, args.decoder)
+                             args.attention, scheme.name if scheme else None, args.decoder,
+                             args.kv_tokens, args.max_step_tokens)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -266,8 +266,18 @@ def main(argv: list[str]) -> int:
                    help="WHAT-IF: add this much pure-Python host work to every commit")
     p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
                    help="attention backend (labkit.attention.BACKENDS)")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help="KV pool size in tokens (default: enough for every stream; a small "
+                        "pool forces preemption)")
+    p.add_argument("--max-step-tokens", type=int, default=512,
+                   help="tokens per launch: decode rows plus prefill chunks")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     args = p.parse_args(argv)
+    for flag, value in (("--kv-tokens", args.kv_tokens), ("--max-step-tokens",
+                                                          args.max_step_tokens)):
+        if value is not None and value < 1:
+            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     try:
         streams = [int(s) for s in args.streams.split(",")]
         if any(s < 1 for s in streams):
@@ -300,8 +310,9 @@ def main(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     engine = Engine(model, tok, device=device, max_seqs=max(streams),
-                    kv_tokens=max(streams) * (args.tokens + 64) + 256, block_size=16,
-                    attention=args.attention)
+                    kv_tokens=args.kv_tokens or max(streams) * (args.tokens + 64) + 256,
+                    block_size=16, attention=args.attention,
+                    max_step_tokens=args.max_step_tokens)
     engine.extra_host_work_s = args.extra_host_ms / 1e3
     gc.collect()
     gc.freeze()  # a collector pause of ~100 ms on this heap would land in some random step

@@ -127,3 +127,22 @@ def test_gain_share_is_the_share_of_the_predicted_gain():
     assert gain_share(1.0, 1.84) == 0.0  # a pipeline that gains nothing scores nothing
     assert gain_share(0.9, 1.5) < 0
     assert gain_share(1.2, 1.0) != gain_share(1.2, 1.0)  # nothing predicted: nan
+
+
+def test_the_benches_take_the_pool_and_the_step_budget(capsys):
+    """--kv-tokens and --max-step-tokens on bench decode and bench generate: a bad value is one
+    line and exit 2 before any model loads; a small pool still decodes (it preempts)."""
+    from labkit import bench, bench_decode
+
+    assert bench_decode.main(["--model", "tiny", "--kv-tokens", "0"]) == 2
+    assert "--kv-tokens must be >= 1" in capsys.readouterr().err
+    assert bench_decode.main(["--model", "tiny", "--max-step-tokens", "0"]) == 2
+    assert "--max-step-tokens must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["generate", "--kv-tokens", "0"])
+    assert exit_.value.code == 2 and "--kv-tokens" in capsys.readouterr().err
+    code = bench_decode.main(["--model", "tiny", "--streams", "4", "--tokens", "24",
+                              "--repeats", "1", "--segment", "4", "--kv-tokens", "160",
+                              "--max-step-tokens", "32", "--json"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and [r["streams"] for r in rows] == [4]
