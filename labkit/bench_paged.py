@@ -22,12 +22,12 @@ internal_waste_pct}, the percentages being time-averaged shares of the memory he
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 
 from labkit.kv_sim import simulate_pool
+from labkit.report import report_rows
 from labkit.workload import OUTPUT_LENGTHS, PROMPT_LENGTHS, LengthDist, poisson_workload
 
 POLICY_KWARGS = {  # the engine settings of each policy
@@ -175,7 +175,7 @@ def main(argv: list[str]) -> int:
         f"max_new {lengths[0][2]}, model {args.model}")
     from labkit.loading import load_model
 
-    try:
+    def measure() -> list[dict]:
         model, _ = load_model(args.model)
         rows = []
         for policy in args.policies:
@@ -189,18 +189,16 @@ def main(argv: list[str]) -> int:
             row["predicted_concurrent"] = predicted.max_concurrent
             log(f"    {row['max_concurrent']} concurrent, {row['throughput_tok_s']:.1f} tok/s")
             rows.append(row)
-    except (ValueError, RuntimeError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-    else:
-        print(f"{'policy':<11}{'KV MB':>7}{'concurrent':>11}{'predicted':>10}{'tok/s':>8}"
-              f"{'reserved %':>11}{'internal %':>11}")
-        for r in rows:
-            print(f"{r['policy']:<11}{r['kv_bytes'] / 1e6:>7.1f}{r['max_concurrent']:>11}"
-                  f"{r['predicted_concurrent']:>10}{r['throughput_tok_s']:>8.1f}"
-                  f"{r['reserved_unused_pct']:>11.1f}{r['internal_waste_pct']:>11.1f}")
-    return 0
+        return rows
+
+    return report_rows(measure, args.json, _table)
+
+
+def _table(rows: list[dict]) -> None:
+    print(f"{'policy':<11}{'KV MB':>7}{'concurrent':>11}{'predicted':>10}{'tok/s':>8}"
+          f"{'reserved %':>11}{'internal %':>11}")
+    for r in rows:
+        print(f"{r['policy']:<11}{r['kv_bytes'] / 1e6:>7.1f}{r['max_concurrent']:>11}"
+              f"{r['predicted_concurrent']:>10}{r['throughput_tok_s']:>8.1f}"
+              f"{r['reserved_unused_pct']:>11.1f}{r['internal_waste_pct']:>11.1f}")
 

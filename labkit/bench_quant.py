@@ -21,12 +21,13 @@ and the activation casts the packed kernels need are what keep a CPU step from i
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import torch
+
+from labkit.report import report_rows
 
 DEFAULT_SCHEMES = "int8,int4-g32,int4-g64,int4-g32-awq"
 
@@ -150,22 +151,21 @@ def main(argv: list[str]) -> int:
                    help="keep q/k/v and gate/up as separate linears in every model")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     args = p.parse_args(argv)
-    try:
+
+    def measure() -> list[dict]:
         batches = tuple(int(b) for b in args.batches.split(","))
         if any(b < 1 for b in batches) or args.rounds < 1 or args.steps < 1:
             raise ValueError("--batches, --rounds and --steps must be positive")
         if args.threads:
             torch.set_num_threads(args.threads)
         log = (lambda s: print(s, file=sys.stderr)) if args.json else print
-        rows = bench_quant(args.model, args.schemes.split(","), batches, args.rounds, args.steps,
-                           args.gen_tokens, args.nll_tokens, log, not args.no_fuse)
-    except (ValueError, RuntimeError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
-        return 0
+        return bench_quant(args.model, args.schemes.split(","), batches, args.rounds,
+                           args.steps, args.gen_tokens, args.nll_tokens, log, not args.no_fuse)
+
+    return report_rows(measure, args.json, lambda rows: _table(rows, args.rounds))
+
+
+def _table(rows: list[dict], rounds: int) -> None:
     print(f"{'quant':<14} {'batch':>5} {'weight MB':>9} {'step ms':>8} {'speedup':>8} "
           f"{'predicted':>9} {'tok/s 1x':>8} {'NLL':>7} {'dNLL %':>7}")
     for r in rows:
@@ -174,6 +174,5 @@ def main(argv: list[str]) -> int:
               f"{r['tok_s_single_stream']:>8.1f} {r['nll']:>7.4f} {r['nll_delta_pct']:>+7.2f}")
     print(f"{rows[0]['model']}, {rows[0]['threads']} torch threads, "
           f"{'fused' if rows[0]['fused'] else 'separate'} q/k/v and gate/up; speedups are "
-          f"medians over {args.rounds} rounds of turn-against-turn ratios; predicted = fp32 "
+          f"medians over {rounds} rounds of turn-against-turn ratios; predicted = fp32 "
           "weight bytes / the scheme's (a step made only of weight reads)")
-    return 0

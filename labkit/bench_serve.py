@@ -24,12 +24,12 @@ prompts are token ids below `--vocab-size` (by default the vocabulary of `--mode
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 from labkit.metrics import SLO, request_latency, summarize
+from labkit.report import report_rows
 from labkit.workload import LengthDist, poisson_workload
 
 SHORT_PROMPTS = LengthDist(8, 64, median=20, sigma=0.6)  # --short: quick runs, same shape
@@ -211,19 +211,13 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     log(f"bench serve: {args.requests} requests, "
         + (f"to {args.url}" if args.url else f"model {args.model}, decoder {args.decoder}"))
-    try:
-        rows = bench_serve(args, log)
-    except (ValueError, RuntimeError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-    else:
-        print(f"{'batching':<11}{'rate':>6}{'budget':>7}{'tok/s':>8}{'TTFT p50':>10}"
-              f"{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'goodput':>9}")
-        for r in rows:
-            print(f"{r['batching']:<11}{r['rate']:>6g}{str(r['max_step_tokens']):>7}"
-                  f"{r['throughput_tok_s']:>8.1f}{r['ttft_p50_ms']:>10.0f}{r['ttft_p99_ms']:>8.0f}"
-                  f"{r['tpot_p50_ms']:>10.1f}{r['tpot_p99_ms']:>8.1f}{r['goodput']:>9.0%}")
-    return 0
+    return report_rows(lambda: bench_serve(args, log), args.json, _table)
+
+
+def _table(rows: list[dict]) -> None:
+    print(f"{'batching':<11}{'rate':>6}{'budget':>7}{'tok/s':>8}{'TTFT p50':>10}"
+          f"{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'goodput':>9}")
+    for r in rows:
+        print(f"{r['batching']:<11}{r['rate']:>6g}{str(r['max_step_tokens']):>7}"
+              f"{r['throughput_tok_s']:>8.1f}{r['ttft_p50_ms']:>10.0f}{r['ttft_p99_ms']:>8.0f}"
+              f"{r['tpot_p50_ms']:>10.1f}{r['tpot_p99_ms']:>8.1f}{r['goodput']:>9.0%}")

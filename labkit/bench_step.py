@@ -16,11 +16,12 @@ few microseconds each, so the profiled steps are not the ones the ratio uses.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections import defaultdict
+
+from labkit.report import report_rows
 
 PHASES = ("plan", "metadata", "kv write", "kv gather + attention", "qkvo proj", "mlp", "head",
           "other forward", "sample", "commit")
@@ -168,19 +169,18 @@ def main(argv: list[str]) -> int:
 
     log(f"bench step: model {args.model}, context {args.context}, {args.steps} steps each, "
         f"{torch.get_num_threads()} torch threads")
-    try:
+    def measure() -> list[dict]:
         model, _ = load_model(args.model)
         rows = []
         for b in args.batch:
             log(f"  batch {b} ...")
             rows.append(bench_step(model, b, args.context, args.steps))
-    except (ValueError, RuntimeError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-        return 0
+        return rows
+
+    return report_rows(measure, args.json, _table)
+
+
+def _table(rows: list[dict]) -> None:
     print(f"{'phase (ms)':<24}" + "".join(f"{'batch ' + str(r['batch']):>12}" for r in rows))
     for k in PHASES:
         print(f"{k:<24}" + "".join(f"{r['phases_ms'][k]:>12.2f}" for r in rows))
@@ -189,4 +189,3 @@ def main(argv: list[str]) -> int:
         print(f"{label:<24}" + "".join(f"{r[key]:>12.2f}" for r in rows))
     print(f"{'engine / forward':<24}" + "".join(f"{r['engine_over_forward']:>11.2f}x"
                                                for r in rows))
-    return 0
