@@ -33,19 +33,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:  # for annotations only: labkit.vocab imports ConstraintError from here
-    from labkit.vocab import Vocab
+from labkit.vocab import ConstraintError, Vocab
 
 State = Hashable  # opaque to the decoders: start() makes one, advance() makes the next
-
-
-class ConstraintError(ValueError):
-    """A constraint spec is malformed, cannot be satisfied, or a token broke it."""
 
 
 # ---------------------------------------------------------------------------------- the lift

@@ -23,12 +23,10 @@ import math
 import re
 from collections.abc import Iterable
 from decimal import ROUND_CEILING, Decimal, localcontext
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-from labkit.constraints import Choice, Constraint, ConstraintError, State
-
-if TYPE_CHECKING:
-    from labkit.vocab import Vocab
+from labkit.constraints import Choice, Constraint, State
+from labkit.vocab import ConstraintError, Vocab
 
 # ---------------------------------------------------------------------------------- numbers
 

@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from labkit.constraints import ConstraintError
+
+class ConstraintError(ValueError):
+    """A constraint spec is malformed, cannot be satisfied, or a token broke it (raised by
+    every constrained-decoding module; it lives here, in the lowest of them)."""
 
 
 def _byte_decoder() -> dict[str, int]:

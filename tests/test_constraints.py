@@ -13,9 +13,9 @@ from fractions import Fraction
 import pytest
 import torch
 
-from labkit.constraints import Choice, Constraint, ConstraintError
+from labkit.constraints import Choice, Constraint
 from labkit.constraints_json import Box, Point, number_alive, number_value, parse_constraint
-from labkit.vocab import Vocab
+from labkit.vocab import ConstraintError, Vocab
 
 # ------------------------------------------------------------------------------ small references
 

@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from labkit import decoders
-from labkit.constraints import ConstraintError
 from labkit.constraints_json import parse_constraint
 from labkit.engine import Engine
 from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.sampling import SamplingParams
-from labkit.vocab import Vocab
+from labkit.vocab import ConstraintError, Vocab
 
 CFG = ModelConfig.tiny()
 MODEL = init_random(LlamaModel(CFG).eval(), seed=1)

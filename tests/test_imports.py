@@ -1,7 +1,7 @@
 """The house rule of ../shared/DESIGN.md: imports inside labkit flow one way (no circles).
 
-Every `import` of a labkit module counts, at a module's top or inside a function (a lazy import
-is still a dependency); only `if TYPE_CHECKING:` blocks, which never run, are left out.
+Every `import` of a labkit module counts: at a module's top, inside a function (a lazy import
+is still a dependency) and under `if TYPE_CHECKING:` (a reader follows it just the same).
 """
 
 import ast
@@ -14,21 +14,11 @@ MODULES = {f"labkit.{p.stem}" if p.stem != "__init__" else "labkit": p
            for p in PACKAGE.glob("*.py")}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imports_of(path: pathlib.Path) -> set[str]:
-    """The labkit modules a file imports at run time."""
+    """The labkit modules a file imports, anywhere in it."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "labkit")
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -68,7 +58,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_finder_sees_a_circle_and_a_lazy_import():
-    """The checker itself: a two-module circle closed by an import inside a function."""
+    """The checker itself: a two-module circle closed by an import inside a function, and
+    an import for type checkers only, which counts too."""
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import labkit.engine\n" \
@@ -76,7 +67,7 @@ def test_finder_sees_a_circle_and_a_lazy_import():
     tmp = PACKAGE.parent / "tests" / "_imports_probe.py"
     try:
         tmp.write_text(src)
-        assert imports_of(tmp) == {"labkit.model"}
+        assert imports_of(tmp) == {"labkit.engine", "labkit.model"}
     finally:
         tmp.unlink()
 

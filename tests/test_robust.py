@@ -6,14 +6,13 @@ import time
 import pytest
 
 from labkit import decoders
-from labkit.constraints import ConstraintError
 from labkit.constraints_json import parse_constraint
 from labkit.device import DeviceError, ProcessDevice
 from labkit.engine import Engine
 from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.sampling import SamplingParams
 from labkit.scheduler import RequestError
-from labkit.vocab import Vocab
+from labkit.vocab import ConstraintError, Vocab
 from tests.deadline import deadline
 
 CFG = ModelConfig.tiny()
