@@ -304,15 +304,15 @@ class Engine:
                 # it alone: the scheduler checked; a later row may share a page it fills)
                 alloc.check_writable(s.block_table[r.start // bs:(r.start + r.n - 1) // bs + 1],
                                      shared_ok=True)
-        for s in launch.seqs:  # checked first, so a refused launch changes nothing
-            s.inflight_refs += 1
+        for r in launch.rows:  # checked first, so a refused launch changes nothing
+            r.seq.inflight_refs += 1
         launch.slot = slot
         launch.launched_s = time.perf_counter()
         try:
             self.device.launch_forward(slot, plan)
         except BaseException:  # never reached the device: nothing references the sequences
-            for s in launch.seqs:
-                s.inflight_refs -= 1
+            for r in launch.rows:
+                r.seq.inflight_refs -= 1
             raise
         launch.launched = True
         self.steps += 1
@@ -363,9 +363,9 @@ class Engine:
         now = t0 = time.perf_counter()
         sched = self.scheduler
         assert not launch.committed, f"step {launch.plan.step} committed twice"
-        if len(tokens) != len(launch.seqs):
+        if len(tokens) != len(launch.rows):
             raise RuntimeError(f"step {launch.plan.step}: {len(tokens)} tokens for "
-                               f"{len(launch.seqs)} rows (a stale or torn host buffer)")
+                               f"{len(launch.rows)} rows (a stale or torn host buffer)")
         pieces: list[tuple[int, str]] = []
         sched.step = launch.plan.step  # finish and release times are this step's commit
         st = self.stats
