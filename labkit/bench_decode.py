@@ -53,6 +53,15 @@ def predicted_speedup(t_host: float, t_device: float, t_other: float = 0.0) -> f
     return (t_host + t_device + t_other) / max(t_host, t_device)
 
 
+def pair_bound(pair: dict) -> float:
+    """The cost model's bound for one pair of turns, with the device's work per step taken as
+    the mean of what the two turns measured: on a busy machine the scheduler treats a device
+    that sleeps between steps (blocking) differently from one that never does (pipelined), so
+    each turn's device time alone would favour one loop; the mean lets the load hit both."""
+    device = (pair["t_device_ms"] + pair["pipelined_device_ms"]) / 2
+    return pair["blocking_ms"] / max(pair["t_host_ms"], device)
+
+
 def gain_share(speedup: float, predicted: float) -> float:
     """The share of the predicted gain a pipeline delivered: (speedup - 1) / (predicted - 1).
 
@@ -187,7 +196,8 @@ def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: i
         # the cost model's terms come from the blocking turn: the host's own work, the
         # device's, and the rest (round trips: command, wake-up, copy)
         pairs.append({"blocking_ms": blocking[0], "pipelined_ms": pipelined[0],
-                      "t_host_ms": blocking[1], "t_device_ms": blocking[2]})
+                      "t_host_ms": blocking[1], "t_device_ms": blocking[2],
+                      "pipelined_host_ms": pipelined[1], "pipelined_device_ms": pipelined[2]})
     return pairs
 
 
@@ -237,6 +247,7 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
         "speedup": blocking / pipelined, "t_host_ms": t_host, "t_device_ms": t_device,
         "t_other_ms": t_other, "predicted_speedup": predicted,
         "pair_speedups": [p["blocking_ms"] / p["pipelined_ms"] for p in pairs],
+        "pair_bounds": [pair_bound(p) for p in pairs],
         "gain_share": gain_share(blocking / pipelined, predicted),
         "pairs": len(pairs),
         "zombie_rows": last["zombie_rows"], "zombie_tax": last["zombie_rows"] / last["rows"],

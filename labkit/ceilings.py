@@ -12,6 +12,7 @@ against the floor that `roofline.step_cost` predicts from these ceilings.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -26,10 +27,11 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from labkit import claims
 from labkit.cache import cache_dir
 from labkit.model import ModelConfig
 from labkit.progress import progress
-from labkit.roofline import TORCH_DTYPES, Hardware, _hw_key, get_hardware
+from labkit.roofline import TORCH_DTYPES, Hardware, _hw_key, get_hardware, step_cost
 
 # ---------------------------------------------------------------------------------------------
 # measured ceilings of this machine
@@ -147,24 +149,6 @@ def _measure_matmul(device: torch.device, dtype: str, budget_s: float) -> tuple[
     return rate, f"{dtype}: {n}x{n} matmul, best of {reps}"
 
 
-def _cpu_seconds() -> tuple[float, float, float] | None:
-    """(CPU-seconds all cores spent busy, of them by this process, wall clock); None off Linux."""
-    try:  # /proc/stat: cpu user nice system idle iowait irq softirq steal ... (in clock ticks)
-        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    busy = sum(ticks) - ticks[3] - ticks[4]  # steal counts as busy: the host gave it away
-    return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
-
-
-def _busy_elsewhere(since: tuple[float, float, float] | None) -> float:
-    """Cores kept busy by other processes since `since` (0 if unknown)."""
-    now = _cpu_seconds()
-    if since is None or now is None:
-        return 0.0
-    return max(0.0, ((now[0] - since[0]) - (now[1] - since[1])) / (now[2] - since[2]))
-
-
 def _memory_size(device: torch.device) -> tuple[float | None, str]:
     """Bytes of memory of the device (GPU) or of the machine (CPU), and how we know."""
     if device.type == "cuda":
@@ -206,7 +190,7 @@ def measure_ceilings(device: str | torch.device = "cpu", dtypes: Sequence[str] |
             pass  # not measured yet on this machine (or an unreadable file): measure now
     # other processes competing for the cores make every number low: such a measurement is
     # used, labelled, but not written to disk for later runs
-    start = _cpu_seconds() if dev.type == "cpu" else None
+    start = claims.cpu_seconds() if dev.type == "cpu" else None
     # a few seconds: say so while it runs (stderr, or a widget in a notebook and the explorer)
     with progress(desc=f"measuring this machine's ceilings ({dev.type}, about {budget_s:g} s)",
                   total=1 + len(dtypes), unit="ceiling", leave=False) as bar:
@@ -216,7 +200,7 @@ def measure_ceilings(device: str | torch.device = "cpu", dtypes: Sequence[str] |
         for dt in dtypes:
             flops[dt] = _measure_matmul(dev, dt, 0.55 * budget_s / len(dtypes))
             bar.update()
-    busy = _busy_elsewhere(start)
+    busy = claims.busy_elsewhere(start)
     busy = busy if busy > 0.25 else 0.0  # a quarter core: background noise
     memory, mem_source = _memory_size(dev)
     where = (f"{_device_name(dev)}, torch {torch.__version__}, {torch.get_num_threads()} "
@@ -296,6 +280,48 @@ def measure_decode_step(model: torch.nn.Module, batch: int = 1, context_len: int
         _sync(param.device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+class StepOverFloor:
+    """A sampler for `claims.measure`: one decode step's time over its floor, where the floor
+    uses the memory bandwidth measured *in the same pair*.
+
+    Each call times one bandwidth probe (the ceiling's own copy) and one decode step, in
+    alternating order, and scales the ceiling's bandwidth by what the probe achieved just now.
+    Another program's load then slows both sides alike: the cached ceiling was measured on a
+    quiet machine, and a busy moment would otherwise read as overhead of the step.
+    """
+
+    def __init__(self, model: torch.nn.Module, hw: Hardware, batch: int = 1,
+                 context_len: int = 1024, dtype: str = "fp32"):
+        self.step_cost = lambda bandwidth: step_cost(
+            model.cfg, batch, context_len, "decode", dtype, dtype,
+            dataclasses.replace(hw, bandwidth=bandwidth))
+        self.hw = hw
+        self.device = next(model.parameters()).device
+        self.step = lambda: measure_decode_step(model, batch, context_len, repeats=1)
+        mib = 1024 if self.device.type == "cuda" else 128
+        self.src = torch.empty(mib * 2**20 // 4, device=self.device).fill_(1.0)
+        self.dst = torch.empty_like(self.src).fill_(0.0)
+        self.calls = 0
+        self.bandwidths: list[float] = []  # bytes/s of each pair's probe
+
+    def _probe(self) -> float:
+        seconds = _timed(lambda: self.dst.copy_(self.src), self.device)
+        return 2 * self.src.numel() * 4 / seconds  # bytes read + written, as the ceiling
+
+    def __call__(self) -> float:
+        """step seconds / floor seconds at this pair's bandwidth."""
+        first = self.calls % 2 == 0
+        self.calls += 1
+        bw = self._probe() if first else None
+        step_s = self.step()
+        bw = self._probe() if bw is None else bw
+        # a quiet probe can beat the cached best (another day, another neighbour): the floor
+        # never uses more than the ceiling, only less when the memory is slower right now
+        bw = min(bw, self.hw.bandwidth)
+        self.bandwidths.append(bw)
+        return step_s / self.step_cost(bw).floor_s
 
 
 def resolve_hardware(name: str | Hardware) -> Hardware:

@@ -9,15 +9,28 @@ a message that says what was measured and why it falls outside.
 
     est = measure(lambda: one_pair_difference(), n=5, max_n=12, width=0.5 * extra_ms)
     hold(est, 0.9 * extra_ms, 1.1 * extra_ms, "step growth (ms)", below="...", above="...")
+
+Alternating turns cannot fix one thing: a computation split over more threads than there are
+free cores. Every operator waits at its end for its slowest thread, and a thread that shares a
+core with another program is descheduled for whole time slices, so a step of a few hundred
+small operators slows by several times, and unevenly: an int4 kernel with more parallel
+sections per byte than an fp32 matmul measured 4x slower than fp32 at 2 threads beside one busy
+core, 1.6x faster at 1 thread. `timing_threads` counts the cores other programs keep busy, and
+`torch_threads` runs a measurement on the cores that are left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -81,3 +94,42 @@ def hold(est: Estimate, low: float, high: float, what: str, below: str = "",
         raise AssertionError(
             f"{what}: measured {est}, {side} the claim's range {low:.4g} to {high:.4g}"
             + (f": {why}" if why else "") + f" ({load_note()})")
+
+
+def cpu_seconds() -> tuple[float, float, float] | None:
+    """(CPU-seconds all cores spent busy, of them by this process, wall clock); None off Linux."""
+    try:  # /proc/stat: cpu user nice system idle iowait irq softirq steal ... (in clock ticks)
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(ticks) - ticks[3] - ticks[4]  # steal counts as busy: the host gave it away
+    return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
+
+
+def busy_elsewhere(since: tuple[float, float, float] | None) -> float:
+    """Cores kept busy by other processes since `since` (0 if unknown)."""
+    now = cpu_seconds()
+    if since is None or now is None:
+        return 0.0
+    return max(0.0, ((now[0] - since[0]) - (now[1] - since[1])) / (now[2] - since[2]))
+
+
+def timing_threads(wanted: int | None = None, window_s: float = 0.5) -> int:
+    """Threads a timing should use: `wanted` (default: torch's count), less one per core that
+    other programs kept busy over the last `window_s` seconds (at least 1)."""
+    wanted = torch.get_num_threads() if wanted is None else wanted
+    start = cpu_seconds()
+    time.sleep(window_s)
+    free = (os.cpu_count() or 1) - busy_elsewhere(start)
+    return max(1, min(wanted, math.floor(free + 0.25)))  # a core 75% busy is not free
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[int]:
+    """Run the block with `n` torch threads, then restore the previous count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(before)

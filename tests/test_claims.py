@@ -31,3 +31,49 @@ def test_a_noisy_measurement_is_measured_again_until_it_can_decide():
     assert len(est.samples) > 3 and est.halfwidth <= 0.2
     capped = measure(lambda: next(noisy), n=3, max_n=4, width=1e-9)
     assert len(capped.samples) == 4
+
+
+def test_a_timing_runs_on_the_cores_other_programs_leave(monkeypatch):
+    import os
+
+    import torch
+
+    from labkit import claims
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(claims, "busy_elsewhere", lambda since: 0.0)
+    assert claims.timing_threads(2, window_s=0) == 2
+    monkeypatch.setattr(claims, "busy_elsewhere", lambda since: 0.9)  # one core nearly full
+    assert claims.timing_threads(2, window_s=0) == 1
+    monkeypatch.setattr(claims, "busy_elsewhere", lambda since: 0.5)  # half a core: still free
+    assert claims.timing_threads(2, window_s=0) == 1
+    monkeypatch.setattr(claims, "busy_elsewhere", lambda since: 0.7)
+    assert claims.timing_threads(2, window_s=0) == 1
+    monkeypatch.setattr(claims, "busy_elsewhere", lambda since: 5.0)  # never below one
+    assert claims.timing_threads(2, window_s=0) == 1
+    before = torch.get_num_threads()
+    with claims.torch_threads(1) as n:
+        assert n == 1 and torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+
+
+def test_a_step_over_its_floor_moves_with_the_memory_measured_beside_it():
+    from labkit.ceilings import StepOverFloor
+    from labkit.model import LlamaModel, ModelConfig
+    from labkit.roofline import get_hardware, step_cost
+
+    model = LlamaModel(ModelConfig.tiny())
+    hw = get_hardware("H200")
+    pairs = StepOverFloor(model, hw, batch=1, context_len=64)
+    pairs.step = lambda: 0.010  # a step of 10 ms, whatever the machine does
+    floor = step_cost(model.cfg, 1, 64, "decode", "fp32", "fp32", hw).floor_s
+    pairs._probe = lambda: hw.bandwidth  # memory as fast as the ceiling: the ceiling's floor
+    assert pairs() == pytest.approx(0.010 / floor)
+    pairs._probe = lambda: 2 * hw.bandwidth  # faster than the ceiling: never a lower floor
+    assert pairs() == pytest.approx(0.010 / floor)
+    pairs._probe = lambda: hw.bandwidth / 4  # memory 4x slower now: the floor 4x higher
+    slow = step_cost(model.cfg, 1, 64, "decode", "fp32", "fp32",
+                     __import__("dataclasses").replace(hw, bandwidth=hw.bandwidth / 4)).floor_s
+    assert slow > 3.5 * floor
+    assert pairs() == pytest.approx(0.010 / slow)
+    assert pairs.bandwidths == [hw.bandwidth, hw.bandwidth, hw.bandwidth / 4]

@@ -13,7 +13,7 @@ import pytest
 matplotlib = pytest.importorskip("matplotlib")
 import torch
 
-from labkit import ceilings, roofline, roofline_plot
+from labkit import ceilings, claims, roofline, roofline_plot
 from labkit.cli import roofline_main as main
 from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.roofline import HARDWARE, step_cost
@@ -171,7 +171,7 @@ def fresh_cache(tmp_path, monkeypatch):
 
 
 def test_measure_ceilings_cpu_is_bounded_positive_and_cached(fresh_cache, monkeypatch):
-    monkeypatch.setattr(ceilings, "_busy_elsewhere", lambda since: 0.0)  # cache even if busy
+    monkeypatch.setattr(claims, "busy_elsewhere", lambda since: 0.0)  # cache even if busy
     t0 = time.perf_counter()
     hw = ceilings.measure_ceilings("cpu", budget_s=1.0)
     took = time.perf_counter() - t0
@@ -190,7 +190,7 @@ def test_measure_ceilings_cpu_is_bounded_positive_and_cached(fresh_cache, monkey
 
 
 def test_a_busy_machine_is_labelled_and_not_cached(fresh_cache, monkeypatch):
-    monkeypatch.setattr(ceilings, "_busy_elsewhere", lambda since: 1.5)
+    monkeypatch.setattr(claims, "busy_elsewhere", lambda since: 1.5)
     hw = ceilings.measure_ceilings("cpu", dtypes=("fp32",), budget_s=0.5)
     assert "not cached" in hw.bandwidth_source
     assert not list(fresh_cache.glob("ceilings-*.json"))
