@@ -37,6 +37,7 @@ import torch
 
 from labkit.cli_parser import add_engine_flags, command_parser, engine_kwargs
 from labkit.progress import progress
+from labkit.report import report_rows
 
 # 32 short, varied instructions: the prompts of `bench generate` (each wrapped in the chat
 # template, so 30-45 tokens)
@@ -319,23 +320,21 @@ def generate_main(argv: list[str]) -> int:
     log(f"bench generate: {args.streams if not args.quick else min(args.streams, 8)} requests, "
         f"greedy, {args.threads or torch.get_num_threads()} torch threads, "
         f"{os.cpu_count()} cores")
-    try:
-        res = bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds, log,
-                             args.attention, engine_kw["quant"], args.decoder,
-                             args.kv_tokens, args.max_step_tokens)
-    except (ValueError, RuntimeError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(res))
-    else:
+    def measure() -> list[dict]:
+        return [bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds,
+                               log, args.attention, engine_kw["quant"], args.decoder,
+                               args.kv_tokens, args.max_step_tokens)]
+
+    def table(rows: list[dict]) -> None:
+        (res,) = rows
         print(f"labkit        {res['labkit_tok_s']:8.1f} tok/s\n"
               f"transformers  {res['hf_tok_s']:8.1f} tok/s  ({res['hf_batching']} batching; "
               f"grouped {res['hf_grouped_tok_s']:.1f}, padded {res['hf_padded_tok_s']:.1f})\n"
               f"ratio         {res['ratio']:8.2f}x  (labkit / transformers, {res['streams']} "
               f"streams, {res['threads']} threads; greedy tokens identical for "
               f"{res['same_tokens_as_hf']}/{res['streams']} requests)")
-    return 0
+
+    return report_rows(measure, args.json, table)
 
 
 def decode_main(argv: list[str]) -> int:
