@@ -35,8 +35,9 @@ from pathlib import Path
 
 import torch
 
-from labkit.cli_parser import command_parser
+from labkit.cli_parser import add_engine_flags, command_parser, engine_kwargs
 from labkit.progress import progress
+from labkit.report import report_rows
 
 # 32 short, varied instructions: the prompts of `bench generate` (each wrapped in the chat
 # template, so 30-45 tokens)
@@ -294,61 +295,46 @@ def generate_main(argv: list[str]) -> int:
     """`python -m labkit bench generate`: labkit's engine against transformers' generate."""
     p = command_parser("python -m labkit bench generate",
                        "labkit against transformers' generate on the same chat requests "
-                       "(greedy, same thread count).")
+                       "(greedy, same thread count). The engine flags set labkit's side; "
+                       "transformers stays fp32.")
     p.add_argument("--streams", type=int, default=32, help=f"requests (1..{len(INSTRUCTIONS)})")
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch threads for both (default {torch.get_num_threads()})")
-    p.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m or a Hugging Face checkpoint directory")
     p.add_argument("--rounds", type=int, default=1, help="timed runs of each, alternating")
     p.add_argument("--quick", action="store_true", help="8 requests, 4-16 new tokens each")
-    p.add_argument("--decoder", choices=("blocking", "pipelined"), default="blocking",
-                   help="labkit's decode loop")
-    p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
-                   help="labkit's attention backend")
-    p.add_argument("--kv-tokens", type=int, default=16384,
-                   help="labkit's KV pool size in tokens (a small pool forces preemption)")
-    p.add_argument("--max-step-tokens", type=int, default=512,
-                   help="labkit's tokens per launch: decode rows plus prefill chunks")
-    p.add_argument("--quant", default="none", help="labkit's weights: none, int8, "
-                   "int4[-gN][-awq] (transformers stays fp32)")
+    add_engine_flags(p, batching=False,
+                     model_help="smollm2-135m or a Hugging Face checkpoint directory")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
-    from labkit.quant import QuantScheme
-
     try:
-        scheme = QuantScheme.parse(args.quant)
+        engine_kw = engine_kwargs(args)
     except ValueError as err:
-        p.error(f"--quant: {err}")
+        p.error(str(err))
     if not 1 <= args.streams <= len(INSTRUCTIONS):
         p.error(f"--streams must be in 1..{len(INSTRUCTIONS)}")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
-    if args.kv_tokens < 1 or args.max_step_tokens < 1:
-        p.error("--kv-tokens and --max-step-tokens must be >= 1")
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print
     log(f"bench generate: {args.streams if not args.quick else min(args.streams, 8)} requests, "
         f"greedy, {args.threads or torch.get_num_threads()} torch threads, "
         f"{os.cpu_count()} cores")
-    try:
-        res = bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds, log,
-                             args.attention, scheme.name if scheme else None, args.decoder,
-                             args.kv_tokens, args.max_step_tokens)
-    except (ValueError, RuntimeError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(res))
-    else:
+    def measure() -> list[dict]:
+        return [bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds,
+                               log, args.attention, engine_kw["quant"], args.decoder,
+                               args.kv_tokens, args.max_step_tokens)]
+
+    def table(rows: list[dict]) -> None:
+        (res,) = rows
         print(f"labkit        {res['labkit_tok_s']:8.1f} tok/s\n"
               f"transformers  {res['hf_tok_s']:8.1f} tok/s  ({res['hf_batching']} batching; "
               f"grouped {res['hf_grouped_tok_s']:.1f}, padded {res['hf_padded_tok_s']:.1f})\n"
               f"ratio         {res['ratio']:8.2f}x  (labkit / transformers, {res['streams']} "
               f"streams, {res['threads']} threads; greedy tokens identical for "
               f"{res['same_tokens_as_hf']}/{res['streams']} requests)")
-    return 0
+
+    return report_rows(measure, args.json, table)
 
 
 def decode_main(argv: list[str]) -> int:

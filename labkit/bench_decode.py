@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from labkit.cli_parser import command_parser
+from labkit.cli_parser import add_engine_flags, command_parser, engine_kwargs
 from labkit.decoders import run
 from labkit.progress import progress
 
@@ -260,12 +260,10 @@ def main(argv: list[str]) -> int:
     p = command_parser("python -m labkit bench decode",
                        "Blocking vs pipelined decoding, side by side.")
     p.add_argument("--streams", default="1,32", help="comma-separated stream counts")
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, or a path")
     p.add_argument("--device", choices=("auto", "process", "cuda", "inprocess"),
                    default="auto", help="auto: cuda when present, else the simulated process")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="weights and KV cache (bfloat16: what a GPU serves in)")
-    p.add_argument("--quant", default="none", help="weights: none, int8, int4[-gN][-awq]")
     p.add_argument("--tokens", type=int, default=110, help="new tokens per request")
     p.add_argument("--repeats", type=int, default=3, help="workloads timed per row")
     p.add_argument("--segment", type=int, default=12,
@@ -275,20 +273,15 @@ def main(argv: list[str]) -> int:
                         "work: automata and masks); sampled, to completion")
     p.add_argument("--extra-host-ms", type=float, default=0.0,
                    help="WHAT-IF: add this much pure-Python host work to every commit")
-    p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
-                   help="attention backend (labkit.attention.BACKENDS)")
-    p.add_argument("--kv-tokens", type=int, default=None,
-                   help="KV pool size in tokens (default: enough for every stream; a small "
-                        "pool forces preemption)")
-    p.add_argument("--max-step-tokens", type=int, default=512,
-                   help="tokens per launch: decode rows plus prefill chunks")
+    # no --decoder: it runs both loops, taking turns
+    add_engine_flags(p, decoder=None, batching=False, kv_tokens="enough for every stream")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     args = p.parse_args(argv)
-    for flag, value in (("--kv-tokens", args.kv_tokens), ("--max-step-tokens",
-                                                          args.max_step_tokens)):
-        if value is not None and value < 1:
-            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
-            return 2
+    try:
+        engine_kw = engine_kwargs(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         streams = [int(s) for s in args.streams.split(",")]
         if any(s < 1 for s in streams):
@@ -316,7 +309,8 @@ def main(argv: list[str]) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "process"
     try:
-        model, tok = load_model(args.model, getattr(torch, args.dtype), quant=args.quant)
+        model, tok = load_model(args.model, getattr(torch, args.dtype),
+                                quant=engine_kw["quant"])
     except (ValueError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

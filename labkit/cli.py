@@ -13,7 +13,7 @@ import platform
 import sys
 import time
 
-from labkit.cli_parser import command_parser
+from labkit.cli_parser import add_engine_flags, command_parser, engine_kwargs
 
 JSONL_KEYS = {"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "chat",
               "constraint"}
@@ -40,18 +40,7 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: 1.0 cuts nothing")
     p.add_argument("--seed", type=int, default=0, help="of the sampler (greedy ignores it)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, or a path")
-    p.add_argument("--decoder", choices=("blocking", "pipelined"), default="blocking",
-                   help="the decode loop")
-    p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
-                   help="attention backend (labkit.attention.BACKENDS)")
-    p.add_argument("--max-step-tokens", type=int, default=512,
-                   help="tokens per launch: decode rows plus prefill chunks (default 512)")
-    p.add_argument("--kv-tokens", type=int, default=16384,
-                   help="KV pool size in tokens; a small pool forces preemption")
-    p.add_argument("--batching", choices=("continuous", "static"), default="continuous")
-    p.add_argument("--quant", default="none",
-                   help="weights: none, int8, int4[-gN][-awq] (labkit.quant)")
+    add_engine_flags(p)
     p.add_argument("--json", action="store_true",
                    help="one JSON object per request on stdout, in input order")
     return p
@@ -130,25 +119,17 @@ def _generate(args) -> int:
                 top_k=r["top_k"], top_p=r["top_p"], seed=r["seed"]))
         except (ValueError, TypeError) as err:
             raise UsageError(f"{r['where']}: {err}") from None
-    for flag, value in (("--max-step-tokens", args.max_step_tokens),
-                        ("--kv-tokens", args.kv_tokens)):
-        if value < 1:
-            raise UsageError(f"{flag} must be >= 1, got {value}")
+    try:
+        engine_kw = engine_kwargs(args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     import labkit
     from labkit.constraints_json import parse_constraint
-    from labkit.quant import QuantScheme
     from labkit.scheduler import RequestError
 
-    try:
-        scheme = QuantScheme.parse(args.quant)
-    except ValueError as err:
-        raise UsageError(f"--quant: {err}") from None
     t0 = time.perf_counter()
     try:
-        engine = labkit.get_engine(args.model, attention=args.attention,
-                                   max_step_tokens=args.max_step_tokens,
-                                   kv_tokens=args.kv_tokens, batching=args.batching,
-                                   quant=scheme.name if scheme else None)
+        engine = labkit.get_engine(args.model, **engine_kw)
     except (ValueError, RuntimeError, OSError) as err:
         raise UsageError(str(err)) from None
     load_s = time.perf_counter() - t0

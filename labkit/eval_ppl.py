@@ -8,14 +8,13 @@ prints {file, tokens, nll, ppl, quant}; the scoring itself is labkit.perplexity.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import sys
 import time
 
 import torch
 
 from labkit.perplexity import DEFAULT_TEXT, default_text, nll, read_text
+from labkit.report import report_rows
 
 
 def evaluate(model_name: str = "smollm2-135m", quant: str | None = None, file: str | None = None,
@@ -46,7 +45,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stride", type=int, default=256, help="tokens between window starts")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
-    try:
+    t0 = time.perf_counter()
+
+    def measure() -> list[dict]:
         from labkit.quant import QuantScheme
 
         scheme = QuantScheme.parse(args.quant)
@@ -54,16 +55,13 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
         if args.file is not None:
             read_text(args.file)  # a bad file costs no model load
-        t0 = time.perf_counter()
-        res = evaluate(args.model, scheme.name if scheme else None, args.file, args.max_tokens,
-                       args.window, args.stride)
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(res))
-    else:
+        return [evaluate(args.model, scheme.name if scheme else None, args.file,
+                         args.max_tokens, args.window, args.stride)]
+
+    def table(rows: list[dict]) -> None:
+        (res,) = rows
         print(f"{res['file']}: {res['tokens']} tokens, NLL {res['nll']:.4f} nats, "
               f"perplexity {res['ppl']:.3f} ({res['model']}, quant {res['quant']}, "
               f"{time.perf_counter() - t0:.0f} s)")
-    return 0
+
+    return report_rows(measure, args.json, table)

@@ -425,56 +425,38 @@ def serve_main(argv: list[str]) -> int:
     """Entry point of `python -m labkit serve`."""
     import sys
 
-    from labkit.cli_parser import command_parser
+    from labkit.cli_parser import add_engine_flags, command_parser, engine_kwargs
 
     p = command_parser("python -m labkit serve", "An OpenAI-compatible HTTP server over "
                        "labkit's engine (/v1/completions, /v1/chat/completions).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, or a path")
-    p.add_argument("--decoder", choices=("blocking", "pipelined"), default="pipelined")
     p.add_argument("--device", choices=("inprocess", "process", "cuda"), default="inprocess")
-    p.add_argument("--kv-tokens", type=int, default=16384, help="KV pool size in tokens")
     p.add_argument("--max-tokens", type=int, default=16,
                    help="max_tokens when a request does not say")
     # the engine's features (labkit.whole_engine): all on by default but quantization
-    p.add_argument("--quant", default="none", help="weights: none, int8, int4[-gN][-awq]")
-    p.add_argument("--attention", choices=("naive", "paged", "flash"), default="paged",
-                   help="attention backend")
-    p.add_argument("--max-step-tokens", default="512",
-                   help="tokens per launch (chunked prefill's budget), or 'none'")
-    p.add_argument("--batching", choices=("continuous", "static"), default="continuous")
+    add_engine_flags(p, decoder="pipelined", budget_may_be_none=True)
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536:
         p.error(f"--port must be in [0, 65536), got {args.port}")
-    if args.kv_tokens < 1 or args.max_tokens < 1:
-        p.error("--kv-tokens and --max-tokens must be >= 1")
-    budget = None if args.max_step_tokens.lower() == "none" else args.max_step_tokens
+    if args.max_tokens < 1:
+        p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
-        budget = None if budget is None else int(budget)
-    except ValueError:
-        p.error(f"--max-step-tokens must be an integer or 'none', got {args.max_step_tokens!r}")
-    if budget is not None and budget < 1:
-        p.error(f"--max-step-tokens must be >= 1 (or 'none'), got {budget}")
-    from labkit.quant import QuantScheme
-
-    try:
-        scheme = QuantScheme.parse(args.quant)
+        engine_kw = engine_kwargs(args)
     except ValueError as err:
-        p.error(f"--quant: {err}")
+        p.error(str(err))
     import uvicorn
 
     from labkit.loading import load_model
 
     try:
-        model, tok = load_model(args.model, quant=scheme.name if scheme else None)
-        engine = Engine(model, tok, kv_tokens=args.kv_tokens, device=args.device,
-                        attention=args.attention, max_step_tokens=budget,
-                        batching=args.batching)
+        model, tok = load_model(args.model, quant=engine_kw.pop("quant"))
+        engine = Engine(model, tok, device=args.device, **engine_kw)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"python -m labkit serve: error: {err}", file=sys.stderr)
         return 2
     app = create_app(engine, args.model, args.decoder, args.max_tokens)
+    budget = engine_kw["max_step_tokens"]
     print(f"[labkit] serving {args.model} on http://{args.host}:{args.port}/v1 "
           f"({args.decoder} decoder, {args.batching} batching, budget {budget} tokens/step, "
           f"{args.attention} attention, weights {args.quant})", file=sys.stderr, flush=True)

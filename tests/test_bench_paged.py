@@ -1,10 +1,9 @@
 """`bench paged`: argument checks, and a short run of the three policies on the tiny model."""
 
-import json
-
 import pytest
 
 from labkit import bench_paged
+from tests.bench_helpers import json_rows, refuses
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -16,20 +15,14 @@ from labkit import bench_paged
     (["--kv-tokens", "100"], "cannot hold one request"),
 ])
 def test_bad_values_exit_2_before_loading(argv, words, capsys, monkeypatch):
-    import labkit.loading
-
-    monkeypatch.setattr(labkit.loading, "load_model", lambda *a: pytest.fail("model loaded"))
-    with pytest.raises(SystemExit) as info:
-        bench_paged.main(argv)
-    assert info.value.code == 2
-    assert words in capsys.readouterr().err
+    refuses(bench_paged.main, argv, words, capsys, monkeypatch)
 
 
 def test_on_demand_runs_three_times_the_sequences_of_contiguous(capsys):
-    rc = bench_paged.main(["--model", "tiny", "--requests", "24", "--scale", "0.1",
-                           "--kv-tokens", "512", "--block-size", "4", "--json"])
-    assert rc == 0
-    rows = {r["policy"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    rows, _ = json_rows(bench_paged.main, ["--model", "tiny", "--requests", "24", "--scale",
+                                           "0.1", "--kv-tokens", "512", "--block-size", "4",
+                                           "--json"], capsys)
+    rows = {r["policy"]: r for r in rows}
     assert set(rows) == {"contiguous", "reserve", "on_demand"}
     assert len({r["kv_bytes"] for r in rows.values()}) == 1  # equal memory
     assert rows["on_demand"]["max_concurrent"] >= 3 * rows["contiguous"]["max_concurrent"]

@@ -1,10 +1,9 @@
 """`bench serve`: argument checks, and a short run of every setting on the tiny model."""
 
-import json
-
 import pytest
 
 from labkit import bench_serve
+from tests.bench_helpers import json_rows, refuses
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -14,13 +13,7 @@ from labkit import bench_serve
     (["--batching", "dynamic"], "--batching must be static or continuous"),
 ])
 def test_bad_values_exit_2_before_loading(argv, words, capsys, monkeypatch):
-    import labkit.loading
-
-    monkeypatch.setattr(labkit.loading, "load_model", lambda *a: pytest.fail("model loaded"))
-    with pytest.raises(SystemExit) as info:
-        bench_serve.main(argv)
-    assert info.value.code == 2
-    assert words in capsys.readouterr().err
+    refuses(bench_serve.main, argv, words, capsys, monkeypatch)
 
 
 def test_settings_parse_as_sweeps():
@@ -31,12 +24,9 @@ def test_settings_parse_as_sweeps():
 
 
 def test_tiny_run_writes_one_row_per_setting(capsys):
-    rc = bench_serve.main(["--model", "tiny", "--rate", "50", "--requests", "6", "--short",
-                           "--max-step-tokens", "16", "--batching", "static,continuous",
-                           "--decoder", "blocking", "--json"])
-    assert rc == 0
-    out = capsys.readouterr()
-    rows = [json.loads(line) for line in out.out.splitlines()]
+    rows, err = json_rows(bench_serve.main, [
+        "--model", "tiny", "--rate", "50", "--requests", "6", "--short", "--max-step-tokens",
+        "16", "--batching", "static,continuous", "--decoder", "blocking", "--json"], capsys)
     assert [r["batching"] for r in rows] == ["static", "continuous"]
     keys = {"batching", "rate", "requests", "max_step_tokens", "throughput_tok_s", "ttft_p50_ms",
             "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "goodput"}
@@ -44,4 +34,4 @@ def test_tiny_run_writes_one_row_per_setting(capsys):
         assert keys <= set(r) and r["requests"] == 6 and r["max_step_tokens"] == 16
         assert r["throughput_tok_s"] > 0 and 0 <= r["goodput"] <= 1
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"]
-    assert "round 1/1" in out.err  # progress on stderr
+    assert "round 1/1" in err  # progress on stderr

@@ -1,16 +1,12 @@
 """`bench step` on the tiny model: every phase is timed and the table is complete."""
 
-import json
-
-import pytest
-
 from labkit import bench_step
+from tests.bench_helpers import json_rows, refuses
 
 
 def test_step_rows_have_every_phase(capsys):
-    assert bench_step.main(["--model", "tiny", "--batch", "1,3", "--context", "8", "--steps",
-                            "2", "--json"]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows, _ = json_rows(bench_step.main, ["--model", "tiny", "--batch", "1,3", "--context", "8",
+                                          "--steps", "2", "--json"], capsys)
     assert [r["batch"] for r in rows] == [1, 3]
     for r in rows:
         assert set(r["phases_ms"]) == set(bench_step.PHASES)
@@ -18,7 +14,6 @@ def test_step_rows_have_every_phase(capsys):
         assert r["phases_ms"]["kv gather + attention"] > 0 and r["phases_ms"]["mlp"] > 0
 
 
-def test_bad_batch_exits_2(capsys):
-    with pytest.raises(SystemExit) as info:
-        bench_step.main(["--batch", "0"])
-    assert info.value.code == 2
+def test_bad_batch_exits_2(capsys, monkeypatch):
+    refuses(bench_step.main, ["--batch", "0"], "--batch, --context and --steps must be >= 1",
+            capsys, monkeypatch)

@@ -10,8 +10,10 @@ import pathlib
 import labkit
 
 PACKAGE = pathlib.Path(labkit.__file__).parent
-MODULES = {f"labkit.{p.stem}" if p.stem != "__init__" else "labkit": p
-           for p in PACKAGE.glob("*.py")}
+# every module of the package, subpackages (labkit.graders) included: labkit.graders.common
+MODULES = {".".join(("labkit", *p.relative_to(PACKAGE).with_suffix("").parts)
+                    ).removesuffix(".__init__"): p
+           for p in PACKAGE.rglob("*.py")}
 
 
 def imports_of(path: pathlib.Path) -> set[str]:
@@ -22,11 +24,10 @@ def imports_of(path: pathlib.Path) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "labkit")
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "labkit":  # `from labkit import x`: a submodule or a name
-                found.update(f"labkit.{a.name}" if f"labkit.{a.name}" in MODULES else "labkit"
-                             for a in node.names)
-            elif node.module.startswith("labkit."):
-                found.add(node.module)
+            if node.module.split(".")[0] == "labkit":  # `from labkit.x import y`: y may be
+                # a submodule (labkit.x.y) or a name defined in labkit.x
+                found.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES
+                             else node.module for a in node.names)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
