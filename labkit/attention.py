@@ -212,21 +212,37 @@ class PagedAttention(AttentionBackend):
         # and its page faults cost more than the copy itself (measured: 2x the gather's time)
         self._gather_buf: torch.Tensor | None = None
         self._folded: tuple[AttentionMeta, int, torch.Tensor] | None = None
+        self._page_ids: tuple[AttentionMeta, torch.Tensor] | None = None
+
+    def _pages(self, block: int) -> torch.Tensor:
+        """The step's context as page ids, [B, ceil(L / block)]: the slot of every block-th
+        position, divided by the block size (built once per step; padding reads page 0)."""
+        m = self.meta
+        if self._page_ids is None or self._page_ids[0] is not m:
+            self._page_ids = (m, m.ctx_slots[:, ::block] // block)
+        return self._page_ids[1]
 
     def _gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every context slot: two [B, L, Hkv, D] tensors."""
         k_all, v_all = self.store.k[layer], self.store.v[layer]  # [S, Hkv, D]
         if slots.device.type != "cpu":  # a GPU's allocator caches; a CUDA graph owns its pool
             return k_all[slots], v_all[slots]
-        n, row = slots.numel(), k_all[0].numel()
-        if self._gather_buf is None or self._gather_buf.shape[1] < n * row:
-            self._gather_buf = torch.empty(2, n * row, dtype=k_all.dtype)
-        shape = (n, *k_all.shape[1:])
-        k = torch.index_select(k_all, 0, slots.reshape(n), out=self._gather_buf[0, :n * row]
-                               .view(shape))  # read B*L slots of Hkv*D; write the same
-        v = torch.index_select(v_all, 0, slots.reshape(n), out=self._gather_buf[1, :n * row]
-                               .view(shape))
-        return k.view(*slots.shape, *shape[1:]), v.view(*slots.shape, *shape[1:])
+        b, seq_len = slots.shape
+        # a paged pool is read a page at a time: one index per block_size tokens, each a
+        # contiguous run of block_size * Hkv * D values (measured at batch 32, context 256 on
+        # SmolLM2: 1.7x faster than one index per token)
+        block = getattr(self.store, "block_size", 1)
+        index = self._pages(block) if block > 1 else slots  # [B, nb]
+        width = block * k_all[0].numel()  # values per index
+        n = index.numel()
+        if self._gather_buf is None or self._gather_buf.shape[1] < n * width:
+            self._gather_buf = torch.empty(2, n * width, dtype=k_all.dtype)
+        out = []
+        for pool, buf in ((k_all, self._gather_buf[0]), (v_all, self._gather_buf[1])):
+            got = torch.index_select(pool.view(-1, width), 0, index.reshape(n),
+                                     out=buf[:n * width].view(n, width))  # read; write the same
+            out.append(got.view(b, -1, *k_all.shape[1:])[:, :seq_len])  # [B, L, Hkv, D]
+        return out[0], out[1]
 
     def _folded_mask(self, group: int) -> torch.Tensor:
         """The step's mask with each query row repeated for the G heads of its KV head:
