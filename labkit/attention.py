@@ -212,46 +212,55 @@ class PagedAttention(AttentionBackend):
         # and its page faults cost more than the copy itself (measured: 2x the gather's time)
         self._gather_buf: torch.Tensor | None = None
         self._folded: tuple[AttentionMeta, int, torch.Tensor] | None = None
-        self._page_ids: tuple[AttentionMeta, torch.Tensor] | None = None
+        self._plan: tuple[AttentionMeta, tuple] | None = None  # the step's gather (_gather_plan)
+        self._pools: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
 
-    def _pages(self, block: int) -> torch.Tensor:
-        """The step's context as page ids, [B, ceil(L / block)]: the slot of every block-th
-        position, divided by the block size (built once per step; padding reads page 0)."""
+    def _gather_plan(self, slots: torch.Tensor):
+        """This step's gather, shared by every layer: (index [n], the K and V pools of every
+        layer as [S / block, width] rows, the out buffers [n, width], and their [B, L, Hkv, D]
+        views). A paged pool is read a page at a time: one index per block_size tokens, each a
+        contiguous run of block_size * Hkv * D values (measured at batch 32, context 256 on
+        SmolLM2: 1.7x faster than one index per token). Padding positions read page 0."""
         m = self.meta
-        if self._page_ids is None or self._page_ids[0] is not m:
-            self._page_ids = (m, m.ctx_slots[:, ::block] // block)
-        return self._page_ids[1]
+        if self._plan is not None and self._plan[0] is m:
+            return self._plan[1]
+        store = self.store
+        block = getattr(store, "block_size", 1)
+        b, seq_len = slots.shape
+        index = (slots[:, ::block] // block if block > 1 else slots).reshape(-1)  # [B * nb]
+        row = store.k_layers[0][0].numel()  # Hkv * D
+        width, n = block * row, index.numel()
+        if self._pools is None or self._pools[0] != width:
+            self._pools = (width, [k.view(-1, width) for k in store.k_layers],
+                           [v.view(-1, width) for v in store.v_layers])
+        if self._gather_buf is None or self._gather_buf.shape[1] < n * width:
+            self._gather_buf = torch.empty(2, n * width, dtype=store.k.dtype)
+        outs = [self._gather_buf[i, :n * width].view(n, width) for i in (0, 1)]
+        views = [o.view(b, -1, *store.k.shape[2:])[:, :seq_len] for o in outs]  # [B, L, Hkv, D]
+        plan = (index, self._pools[1], self._pools[2], outs, views)
+        self._plan = (m, plan)
+        return plan
 
     def _gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every context slot: two [B, L, Hkv, D] tensors."""
-        k_all, v_all = self.store.k[layer], self.store.v[layer]  # [S, Hkv, D]
         if slots.device.type != "cpu":  # a GPU's allocator caches; a CUDA graph owns its pool
-            return k_all[slots], v_all[slots]
-        b, seq_len = slots.shape
-        # a paged pool is read a page at a time: one index per block_size tokens, each a
-        # contiguous run of block_size * Hkv * D values (measured at batch 32, context 256 on
-        # SmolLM2: 1.7x faster than one index per token)
-        block = getattr(self.store, "block_size", 1)
-        index = self._pages(block) if block > 1 else slots  # [B, nb]
-        width = block * k_all[0].numel()  # values per index
-        n = index.numel()
-        if self._gather_buf is None or self._gather_buf.shape[1] < n * width:
-            self._gather_buf = torch.empty(2, n * width, dtype=k_all.dtype)
-        out = []
-        for pool, buf in ((k_all, self._gather_buf[0]), (v_all, self._gather_buf[1])):
-            got = torch.index_select(pool.view(-1, width), 0, index.reshape(n),
-                                     out=buf[:n * width].view(n, width))  # read; write the same
-            out.append(got.view(b, -1, *k_all.shape[1:])[:, :seq_len])  # [B, L, Hkv, D]
-        return out[0], out[1]
+            return self.store.k_layers[layer][slots], self.store.v_layers[layer][slots]
+        index, k_pools, v_pools, (k_out, v_out), (k, v) = self._gather_plan(slots)
+        torch.index_select(k_pools[layer], 0, index, out=k_out)  # read n rows; write the same
+        torch.index_select(v_pools[layer], 0, index, out=v_out)
+        return k, v
 
-    def _folded_mask(self, group: int) -> torch.Tensor:
+    def _folded_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
         """The step's mask with each query row repeated for the G heads of its KV head:
-        [B, 1, G*Tq, L], built once per step (every layer uses the same)."""
+        [B, 1, G*Tq, L], built once per step (every layer uses the same). Additive (0 where
+        visible, -inf where not): SDPA turns a boolean mask into exactly this on every call."""
         m = self.meta
         if self._folded is None or self._folded[0] is not m or self._folded[1] != group:
             b, tq, seq_len = m.mask.shape
             mask = m.mask[:, None, None].expand(b, 1, group, tq, seq_len).reshape(
                 b, 1, group * tq, seq_len)
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+                ~mask, float("-inf"))
             self._folded = (m, group, mask)
         return self._folded[2]
 
@@ -268,7 +277,7 @@ class PagedAttention(AttentionBackend):
         qg = qp.view(b, tq, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(
             b, kv_heads, group * tq, d)
         o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=self._folded_mask(group))
+                                           attn_mask=self._folded_mask(group, qg.dtype))
         # o: [B, Hkv, G*Tq, D]
         o = o.view(b, kv_heads, group, tq, d).permute(0, 3, 1, 2, 4).reshape(b * tq, h, d)
         return o if tq == 1 else o[m.unpad_index]  # [T, H, D]

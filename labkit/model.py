@@ -109,29 +109,40 @@ class Attention(Protocol):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in fp32."""
     # x: [..., d]; weight: [d]
-    x32 = x.float()
-    inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    y = (x32 * inv_rms).to(x.dtype)  # a new tensor: scaling it in place is safe
+    # (every op here is dispatched from Python, a few microseconds each whatever its size, 61
+    # times a step: the casts are skipped when x is already fp32, the add is in place)
+    x32 = x if x.dtype == torch.float32 else x.float()
+    # (sum, then divide: what mean() does inside, without its own dispatch)
+    inv_rms = torch.rsqrt((x32 * x32).sum(dim=-1, keepdim=True).div_(x.shape[-1]).add_(eps))
+    y = x32 * inv_rms  # a new tensor: scaling it in place is safe
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
     return y.mul_(weight) if y.dtype == weight.dtype else y * weight
 
 
 def rope_tables(head_dim: int, theta: float, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles for each position: two [T, head_dim] tensors."""
+    """cos and signed sin of the rotary angles for each position: two [T, 1, head_dim] tensors
+    (the 1 broadcasts over heads). The sin's first half is negated: see `apply_rope`."""
     # frequency i rotates the pair (i, i + head_dim/2) by position * theta^(-2i/head_dim)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
                                               device=positions.device) / head_dim))
     angles = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [T, D]: the "rotate half" layout
-    return angles.cos(), angles.sin()
+    sin = angles.sin()
+    cos = torch.cat([angles.cos()] * 2, dim=-1)  # [T, D]: the "rotate half" layout
+    return cos[:, None, :], torch.cat([-sin, sin], dim=-1)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each head's pairs (i, i + D/2) by the position's angle."""
-    # x: [T, H, D]; cos, sin: [T, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
+    """Rotate each head's pairs (i, i + D/2) by the position's angle.
+
+    For i < D/2: x_i cos - x_{i+D/2} sin; for i >= D/2: x_i cos + x_{i-D/2} sin. Rolling x by
+    D/2 puts each pair's partner in place, and the signed sin table (first half negated, from
+    `rope_tables`) carries the minus: three ops per call, built once per step.
+    """
+    # x: [T, H, D]; cos, sin: [T, 1, D]
+    x32 = x if x.dtype == torch.float32 else x.float()
+    out = torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), sin)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):

@@ -154,6 +154,9 @@ class KVStore:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # k: [L, S, Hkv, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # v: [L, S, Hkv, D]
         self.num_slots = num_slots
+        # each layer's [S, Hkv, D] views, made once: indexing self.k[layer] is an op of its own,
+        # dispatched from Python twice per layer per step
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
     def nbytes(self) -> int:
         """Bytes held by K and V together."""
@@ -161,8 +164,8 @@ class KVStore:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' k, v ([T, Hkv, D]) at their slots ([T])."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        self.k_layers[layer].index_copy_(0, slots, k)
+        self.v_layers[layer].index_copy_(0, slots, v)
 
 
 class PagedKVCache(KVStore):
