@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from labkit.cpu_kernels import kernels
+
 QUANT_VERSION = 1  # bump when the quantized format changes: cached entries go stale
 INT4_GROUPS = (32, 64, 128)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -258,7 +260,15 @@ class QuantLinear(nn.Module):
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., K] -> [..., N]; the packed kernels take bf16 rows
+        # x: [..., K] -> [..., N]
+        if self.scheme.bits == 8 and x.device.type == "cpu" and x.dtype == torch.float32:
+            mod = kernels()  # labkit's int8 kernel (labkit.cpu_kernels), where it builds
+            if mod is not None:
+                y = mod.int8_linear(x.reshape(-1, self.in_features).contiguous(),
+                                    self.qweight, self.scale)  # [M, N]
+                y = y if self.bias is None else y + self.bias
+                return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        # torch's packed kernels take bf16 rows
         # (a step makes ~120 of these calls at a few microseconds of dispatch per op: the
         # reshapes are skipped for the usual 2-D input)
         lead = x.shape[:-1]
