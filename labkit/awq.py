@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from labkit.claims import torch_threads
 from labkit.perplexity import CausalAttention
 from labkit.quant import QuantScheme, fake_quantize, quantize_model, untie_head
 
@@ -127,7 +128,10 @@ def quantize_awq(model: nn.Module, scheme: QuantScheme | str, calib_ids: torch.T
     labkit.quant.quantize_model; in place, returns the model."""
     scheme = QuantScheme.parse(scheme)
     untie_head(model)
-    apply_awq(model, scheme, calib_ids)
+    # one thread: the search is thousands of small ops, and each one split over 2 threads waits
+    # for the slower; beside one busy core, 2 threads took ~5 min here (1 thread: 12 s, loaded)
+    with torch_threads(1):
+        apply_awq(model, scheme, calib_ids)
     return quantize_model(model, scheme)
 
 
