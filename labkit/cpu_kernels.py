@@ -1,29 +1,41 @@
-"""A hand-written CPU kernel for weight-only int8: y = x W^T with W as int8 codes and scales.
+"""labkit's two hand-written CPU kernels: weight-only int8 linear, and attention that reads the
+paged KV pool in place.
 
-torch's packed CPU kernel (`torch._weight_int8pack_mm`) takes bf16 activations and, on an AVX2
-laptop at batch 1, spends ~190 us on a 1 MB SmolLM2 layer matrix (5 GB/s): it is busy
-converting, not reading bytes. This kernel reads the codes once per call. It converts a few
-rows at a time into fp32 in a small buffer that stays in L1 (`q * s` is exact in fp32: an 8-bit
-code times a bf16 scale), then multiplies them into tiles of up to 4 x 3 outputs, 8 lanes at a
-time (AVX2 + FMA intrinsics; a scalar loop of the same structure elsewhere).
+**int8_linear**: y = x W^T with W as int8 codes and per-row scales. torch's packed CPU kernel
+(`torch._weight_int8pack_mm`) takes bf16 activations and, on an AVX2 laptop at batch 1, spends
+~190 us on a 1 MB SmolLM2 layer matrix (5 GB/s): it is busy converting, not reading bytes. This
+kernel reads the codes once per call. It converts a few rows at a time into fp32 in a small
+buffer that stays in L1 (`q * s` is exact in fp32: an 8-bit code times a bf16 scale), then
+multiplies them into tiles of up to 4 x 3 outputs, 8 lanes at a time (AVX2 + FMA intrinsics; a
+scalar loop of the same structure elsewhere).
 
-**Batch-invariant by construction.** Each output y[m, n] gets its own accumulator, is summed
-over k in ascending steps of 8 lanes, reduced across lanes in one fixed order, then its tail
-added. The same sequence of operations runs whatever the tile shape, so a row's result never
-depends on how many other rows share its step. The engine's claims need this: the pipelined
-decoder's zombie rows change a step's row count, and blocking and pipelined must still give
-the same tokens. A kernel that switched paths with the row count broke exactly that (measured:
-see results/cpu-quiet-2026-12-01.md).
+**paged_attention**: each new token attends over its sequence's context by reading the K and V
+pool rows at the context's slots where they lie. The gather-then-SDPA path copies every
+sequence's context into one padded tensor first, each layer (at batch 32, context 256 on
+SmolLM2: ~2 ms a layer for the copy alone), and builds a [B, G*Tq, L] mask. Here one work item
+is a token and a KV head: its G query heads share every K and V row read; scores, a softmax
+(a vectorised exp) and the weighted sum of V, in fp32, keys in order.
 
-The kernel is compiled at first use (`torch.utils.cpp_extension`: a C++ compiler and ninja;
-about a minute, then cached under labkit's cache directory). Where that fails, `kernels()` is
-None and QuantLinear keeps torch's kernel; `LABKIT_CPU_KERNELS=0` turns it off.
+**Batch-invariant by construction.** A row's result never depends on how many other rows share
+its step. In int8_linear each output y[m, n] gets its own accumulator, is summed over k in
+ascending steps of 8 lanes, reduced across lanes in one fixed order, then its tail added,
+whatever the tile shape. In paged_attention each (token, KV head) runs the same code alone.
+The engine's claims need this: the pipelined decoder's zombie rows change a step's row count,
+chunked prefill changes which tokens share a step, and the tokens must not change. An int8
+kernel that switched paths with the row count broke exactly that (measured: see
+results/cpu-quiet-2026-12-01.md).
+
+The kernels are compiled once (`torch.utils.cpp_extension`: a C++ compiler and ninja; about a
+minute, with a line on stderr, then cached under labkit's cache directory). Where that fails,
+`kernels()` is None: QuantLinear keeps torch's kernel and PagedAttention gathers and runs SDPA.
+`LABKIT_CPU_KERNELS=0` turns them off.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import warnings
 
@@ -34,9 +46,19 @@ from labkit.cache import cache_dir
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
 #include <vector>
 #ifdef __AVX2__
 #include <immintrin.h>
+#endif
+
+#ifdef __AVX2__
+static inline float lanes_sum(__m256 v) {  // one fixed order, the same everywhere
+  alignas(32) float l[8];
+  _mm256_store_ps(l, v);
+  return ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+}
 #endif
 
 // RM rows of x against RN dequantized weight rows: out[i][j] = sum_k x[i][k] * w[j][k].
@@ -93,21 +115,17 @@ static void rows(const float* x, int64_t M, int64_t K, const float* w, float* y,
 }
 
 // the whole product, RN weight rows at a time: each block's codes are converted once into an
-// fp32 buffer that stays in L1, then multiplied with every row of x
-template <int RN>
-static void blocks(const float* xp, const int8_t* qp, const float* sp, float* yp, int64_t M,
-                   int64_t K, int64_t N) {
+// fp32 buffer that stays in L1 (`deq(n, w)` writes weight row n), then multiplied with every
+// row of x
+template <int RN, class Deq>
+static void blocks(const float* xp, const Deq& deq, float* yp, int64_t M, int64_t K,
+                   int64_t N) {
   const int64_t nblocks = (N + RN - 1) / RN;
   at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
     std::vector<float> w(RN * K);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
-      for (int64_t j = 0; j < rn; ++j) {  // dequantize: exact in fp32
-        const int8_t* row = qp + (n0 + j) * K;
-        const float scale = sp[n0 + j];
-        float* wr = w.data() + j * K;
-        for (int64_t k = 0; k < K; ++k) wr[k] = (float)row[k] * scale;
-      }
+      for (int64_t j = 0; j < rn; ++j) deq(n0 + j, w.data() + j * K);
       if (rn == RN) {
         rows<RN>(xp, M, K, w.data(), yp + n0, N);
       } else {
@@ -117,20 +135,316 @@ static void blocks(const float* xp, const int8_t* qp, const float* sp, float* yp
   });
 }
 
+// tiles of up to 4 rows x 3 weight rows (12 accumulators, 3 weights, 1 x: 16 registers); a row
+// or two alone would leave too few independent sums in flight, so they take 6 weight rows at
+// once. The tile shape never changes how one output is summed.
+template <class Deq>
+static void product(const float* xp, const Deq& deq, float* yp, int64_t M, int64_t K,
+                    int64_t N) {
+  if (M < 4) blocks<6>(xp, deq, yp, M, K, N);
+  else blocks<3>(xp, deq, yp, M, K, N);
+}
+
 // y [M, N] = x [M, K] (fp32, contiguous) times int8 codes q [N, K] and per-row scales s [N]
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.size(1) == K && s.numel() == N, "int8_linear: x [M, K], q [N, K], s [N]");
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // tiles of up to 4 rows x 3 weight rows (12 accumulators, 3 weights, 1 x: 16 registers);
-  // a row or two alone would leave too few independent sums in flight, so they take 6 weight
-  // rows at once. The tile shape never changes how one output is summed.
-  if (M < 4) blocks<6>(xp, qp, sp, yp, M, K, N);
-  else blocks<3>(xp, qp, sp, yp, M, K, N);
+  auto deq = [&](int64_t n, float* w) {  // q * s: exact in fp32
+    const int8_t* row = qp + n * K;
+    const float scale = sp[n];
+    for (int64_t k = 0; k < K; ++k) w[k] = (float)row[k] * scale;
+  };
+  product(x.data_ptr<float>(), deq, y.data_ptr<float>(), M, K, N);
   return y;
+}
+
+// ---- attention over the KV pool, read in place through each sequence's slots ----
+
+#ifdef __AVX2__
+// exp of 8 floats (Cephes' single-precision scheme): x = n ln2 + r, |r| <= ln2 / 2, then
+// e^r by a degree-6 polynomial and 2^n by the exponent bits. Relative error ~2e-7.
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)),
+                    _mm256_set1_ps(88.3762626647949f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                             _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+
+// the lane sums of four vectors, [sum a, sum b, sum c, sum d], in one fixed order
+static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// scores of GC query heads (q, rows D apart) against 4 key rows at once (independent sums in
+// flight: one dot product alone waits on its own FMA chain). s[g * lds + j] for j < n.
+template <int GC>
+static inline void scores4(const float* q, const float* const* kr, int64_t D, float scale,
+                           float* s, int64_t lds, int n) {
+  const int64_t D8 = D - D % 8;
+  __m256 acc[4][GC];
+  for (int j = 0; j < 4; ++j)
+    for (int g = 0; g < GC; ++g) acc[j][g] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D8; d += 8) {
+    __m256 qv[GC];
+    for (int g = 0; g < GC; ++g) qv[g] = _mm256_loadu_ps(q + g * D + d);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = _mm256_loadu_ps(kr[j] + d);
+      for (int g = 0; g < GC; ++g) acc[j][g] = _mm256_fmadd_ps(qv[g], kv, acc[j][g]);
+    }
+  }
+  for (int g = 0; g < GC; ++g) {
+    alignas(16) float r[4];
+    _mm_store_ps(r, sum4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]));
+    for (int j = 0; j < n; ++j) {
+      for (int64_t d = D8; d < D; ++d) r[j] += q[g * D + d] * kr[j][d];
+      s[g * lds + j] = r[j] * scale;
+    }
+  }
+}
+
+// o[g][d0 .. d0 + 8C) = inv[g] * sum over keys p of w[g * ldw + p] * v_p[d0 ..], keys in order;
+// GC x C accumulators stay in registers for the whole context
+template <int GC, int C>
+static inline void weighted_v(const float* w, int64_t ldw, const float* vp, const int64_t* off,
+                              int64_t nk, int64_t d0, const float* inv, float* o, int64_t D) {
+  __m256 acc[GC][C];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < nk; ++p) {
+    const float* vr = vp + off[p] + d0;
+    __m256 wv[GC];
+    for (int g = 0; g < GC; ++g) wv[g] = _mm256_set1_ps(w[g * ldw + p]);
+    for (int c = 0; c < C; ++c) {
+      const __m256 vv = _mm256_loadu_ps(vr + 8 * c);
+      for (int g = 0; g < GC; ++g) acc[g][c] = _mm256_fmadd_ps(wv[g], vv, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_ps(o + g * D + d0 + 8 * c,
+                       _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
+}
+
+template <int GC>
+static void scores_all(const float* q, const float* kp, const int64_t* off, int64_t nk,
+                       int64_t D, float scale, float* s) {
+  for (int64_t p = 0; p < nk; p += 4) {
+    const int n = (int)std::min<int64_t>(4, nk - p);
+    const float* kr[4];
+    for (int j = 0; j < 4; ++j) kr[j] = kp + off[p + (j < n ? j : 0)];  // padding: re-read
+    scores4<GC>(q, kr, D, scale, s + p, nk, n);
+  }
+}
+
+template <int GC>
+static void weighted_all(const float* w, int64_t nk, const float* vp, const int64_t* off,
+                         int64_t D, const float* inv, float* o) {
+  const int64_t D8 = D - D % 8;
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D8; d0 += 32) weighted_v<GC, 4>(w, nk, vp, off, nk, d0, inv, o, D);
+  switch ((D8 - d0) / 8) {
+    case 3: weighted_v<GC, 3>(w, nk, vp, off, nk, d0, inv, o, D); break;
+    case 2: weighted_v<GC, 2>(w, nk, vp, off, nk, d0, inv, o, D); break;
+    case 1: weighted_v<GC, 1>(w, nk, vp, off, nk, d0, inv, o, D); break;
+    default: break;
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int64_t d = D8; d < D; ++d) {
+      float a = 0.0f;
+      for (int64_t p = 0; p < nk; ++p) a += w[g * nk + p] * vp[off[p] + d];
+      o[g * D + d] = a * inv[g];
+    }
+}
+#endif
+
+static inline float dot(const float* a, const float* b, int64_t D) {
+  const int64_t D8 = D - D % 8;
+  float s;
+#ifdef __AVX2__
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D8; d += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  s = lanes_sum(acc);
+#else
+  float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t d = 0; d < D8; d += 8)
+    for (int j = 0; j < 8; ++j) l[j] += a[d + j] * b[d + j];
+  s = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+#endif
+  for (int64_t d = D8; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// p[0..n) = exp(p - max), returns their sum; every element through the same exp
+static float exp_and_sum(float* p, int64_t n, float max) {
+  const int64_t n8 = n - n % 8;
+  float total;
+#ifdef __AVX2__
+  const __m256 m = _mm256_set1_ps(max);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n8; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), m));
+    _mm256_storeu_ps(p + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  total = lanes_sum(acc);
+  if (n8 < n) {
+    alignas(32) float tail[8];
+    for (int j = 0; j < 8; ++j) tail[j] = n8 + j < n ? p[n8 + j] - max : -100.0f;
+    _mm256_store_ps(tail, exp8(_mm256_load_ps(tail)));
+    for (int64_t j = 0; n8 + j < n; ++j) { p[n8 + j] = tail[j]; total += tail[j]; }
+  }
+#else
+  float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < n8; i += 8)
+    for (int j = 0; j < 8; ++j) { p[i + j] = std::exp(p[i + j] - max); l[j] += p[i + j]; }
+  total = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+  for (int64_t i = n8; i < n; ++i) { p[i] = std::exp(p[i] - max); total += p[i]; }
+#endif
+  return total;
+}
+
+// out [T, H, D] = softmax(q k^T * scale) v for every new token, where the keys of token t
+// (sequence b, position pos) are the K/V pool rows at slots[b, 0..pos]. q: [T, H, D];
+// k, v: [S, Hkv, D] (one layer of the pool); slots: [B, L]; q_index: [B, Tq] packed index of
+// each sequence's j-th new token, for j < query_lens[b]; positions: [T]. One work item is a
+// token and a KV head: its G query heads share each K and V row read. Every item runs the
+// same code whatever else is in the step (batch-invariant), in a fixed order over keys.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new,
+                              torch::Tensor write_slots, torch::Tensor k, torch::Tensor v,
+                              torch::Tensor slots, torch::Tensor q_index,
+                              torch::Tensor query_lens, torch::Tensor positions, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.sizes() == v.sizes(), "q [T,H,D], k/v [S,Hkv,D]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.is_contiguous() &&
+              v.is_contiguous(), "q rows of H * D values, k and v contiguous");
+  slots = slots.contiguous(); q_index = q_index.contiguous();
+  query_lens = query_lens.contiguous(); positions = positions.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), S = k.size(0), Hkv = k.size(1);
+  const int64_t ldq = q.stride(0);  // q may be a view into the fused q|k|v projection
+  const int64_t B = slots.size(0), L = slots.size(1), Tq = q_index.size(1), G = H / Hkv;
+  TORCH_CHECK(k.size(2) == D && H % Hkv == 0 && H / Hkv <= 64, "head shapes");
+  // first the new tokens' k and v ([T, Hkv, D], rows of any stride) into the pool at
+  // write_slots [T]: one call instead of two index_copy_ per layer
+  TORCH_CHECK(k_new.size(0) == T && k_new.size(1) == Hkv && k_new.size(2) == D &&
+              k_new.sizes() == v_new.sizes() && k_new.stride(2) == 1 && v_new.stride(2) == 1,
+              "k_new, v_new: [T, Hkv, D] with unit stride in D");
+  write_slots = write_slots.contiguous();
+  const int64_t* wp = write_slots.data_ptr<int64_t>();
+  {
+    float* kw = k.data_ptr<float>();
+    float* vw = v.data_ptr<float>();
+    const float* kn = k_new.data_ptr<float>();
+    const float* vn = v_new.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(wp[t] >= 0 && wp[t] < S, "a write slot outside the pool");
+      for (int64_t h = 0; h < Hkv; ++h) {
+        std::copy_n(kn + t * k_new.stride(0) + h * k_new.stride(1), D, kw + (wp[t] * Hkv + h) * D);
+        std::copy_n(vn + t * v_new.stride(0) + h * v_new.stride(1), D, vw + (wp[t] * Hkv + h) * D);
+      }
+    }
+  }
+  auto out = torch::empty({T, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* ip = q_index.data_ptr<int64_t>();
+  const int64_t* lp = query_lens.data_ptr<int64_t>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  // the items, (token, sequence, keys); checked here, before any thread reads memory
+  std::vector<int64_t> tok, seq, keys;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < lp[b]; ++j) {
+      const int64_t t = ip[b * Tq + j];
+      TORCH_CHECK(t >= 0 && t < T && pp[t] >= 0 && pp[t] < L, "a query outside its context");
+      tok.push_back(t); seq.push_back(b); keys.push_back(pp[t] + 1);
+    }
+  for (int64_t i = 0; i < B * L; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "a slot outside the pool");
+  // balance the threads: at::parallel_for gives thread i the i-th equal range of the index
+  // space, so deal the items (longest first) round-robin into those ranges; -1 is a hole
+  const int64_t n = (int64_t)tok.size() * Hkv;
+  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const int64_t chunk = (n + nth - 1) / nth;
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return keys[a / Hkv] > keys[b / Hkv]; });
+  std::vector<int64_t> place(nth * chunk, -1);
+  for (int64_t r = 0; r < n; ++r) place[(r % nth) * chunk + r / nth] = order[r];
+  at::parallel_for(0, nth * chunk, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> score;
+    std::vector<int64_t> off;
+    for (int64_t i = i0; i < i1; ++i) {
+      if (place[i] < 0) continue;
+      const int64_t item = place[i] / Hkv, hk = place[i] % Hkv;
+      const int64_t t = tok[item], nk = keys[item];
+      const int64_t* row = sp + seq[item] * L;
+      const float* qh = qp + t * ldq + hk * G * D;  // the G query heads of KV head hk
+      float* oh = op + (t * H + hk * G) * D;
+      score.resize(G * nk);  // [G, nk]
+      off.resize(nk);  // where key p's row of KV head hk starts, in k and in v
+      for (int64_t p = 0; p < nk; ++p) off[p] = (row[p] * Hkv + hk) * D;
+      float inv[64];  // 1 / softmax denominator of each query head (G <= 64, checked)
+#ifdef __AVX2__
+      for (int64_t g0 = 0; g0 < G; g0 += 3) {  // query heads three at a time (registers)
+        const float* qg = qh + g0 * D;
+        float* sg = score.data() + g0 * nk;
+        switch (std::min<int64_t>(3, G - g0)) {
+          case 3: scores_all<3>(qg, kp, off.data(), nk, D, (float)scale, sg); break;
+          case 2: scores_all<2>(qg, kp, off.data(), nk, D, (float)scale, sg); break;
+          default: scores_all<1>(qg, kp, off.data(), nk, D, (float)scale, sg); break;
+        }
+      }
+#else
+      for (int64_t p = 0; p < nk; ++p)
+        for (int64_t g = 0; g < G; ++g)
+          score[g * nk + p] = dot(qh + g * D, kp + off[p], D) * (float)scale;
+#endif
+      for (int64_t g = 0; g < G; ++g) {  // softmax numerators in place, and their sums
+        float* s = score.data() + g * nk;
+        float m = s[0];
+        for (int64_t p = 1; p < nk; ++p) m = std::max(m, s[p]);
+        inv[g] = 1.0f / exp_and_sum(s, nk, m);
+      }
+#ifdef __AVX2__
+      for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const float* wg = score.data() + g0 * nk;
+        switch (std::min<int64_t>(3, G - g0)) {
+          case 3: weighted_all<3>(wg, nk, vp, off.data(), D, inv + g0, oh + g0 * D); break;
+          case 2: weighted_all<2>(wg, nk, vp, off.data(), D, inv + g0, oh + g0 * D); break;
+          default: weighted_all<1>(wg, nk, vp, off.data(), D, inv + g0, oh + g0 * D); break;
+        }
+      }
+#else
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) {
+          float a = 0.0f;
+          for (int64_t p = 0; p < nk; ++p) a += score[g * nk + p] * vp[off[p] + d];
+          oh[g * D + d] = a * inv[g];
+        }
+#endif
+    }
+  });
+  return out;
 }
 """
 
@@ -145,8 +459,9 @@ def _flags() -> list[str]:
 
 
 def kernels():
-    """The compiled module (`int8_linear`), or None where it cannot be built (or
-    LABKIT_CPU_KERNELS=0 when first asked). Built once per process; later calls are a lookup."""
+    """The compiled module (`int8_linear`, `paged_attention`), or None where it cannot be
+    built (or LABKIT_CPU_KERNELS=0 when first asked). Built once per process; later calls
+    are a lookup."""
     if "module" in _state:
         return _state["module"]
     with _lock:
@@ -163,14 +478,18 @@ def _build():
     from torch.utils.cpp_extension import load_inline
 
     flags = _flags()
-    name = "labkit_int8_" + ("avx2" if flags else "generic")
+    name = "labkit_kernels_" + ("avx2" if flags else "generic")
     build_dir = cache_dir() / "torch_extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob(f"{name}*.so")):
+        print("labkit: compiling its CPU kernels (once per machine, about a minute)...",
+              file=sys.stderr, flush=True)
     try:
-        return load_inline(name, cpp_sources=_SOURCE, functions=["int8_linear"],
+        return load_inline(name, cpp_sources=_SOURCE,
+                           functions=["int8_linear", "paged_attention"],
                            extra_cflags=["-O3", "-fopenmp", *flags],
                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
     except Exception as err:  # no working compiler: torch's kernel serves instead
-        warnings.warn(f"labkit's CPU int8 kernel did not build ({type(err).__name__}); using "
-                      "torch's packed kernel", stacklevel=3)
+        warnings.warn(f"labkit's CPU kernels did not build ({type(err).__name__}); using "
+                      "torch's kernels and the gather-then-SDPA attention", stacklevel=3)
         return None

@@ -23,7 +23,15 @@ def reference(q_seq, k_ctx, v_ctx, start):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
-@pytest.mark.parametrize("backend", [NaiveAttention, PagedAttention, FlashAttention])
+class GatherPagedAttention(PagedAttention):
+    """PagedAttention's path without labkit's CPU kernel: gather, then SDPA."""
+
+    def __init__(self, store):
+        super().__init__(store, cpu_kernel=False)
+
+
+@pytest.mark.parametrize("backend", [NaiveAttention, PagedAttention, GatherPagedAttention,
+                                     FlashAttention])
 @pytest.mark.parametrize("starts,qlens", [([0, 0, 0], [5, 9, 2]), ([7, 3, 12], [1, 1, 1]),
                                           ([4, 0, 9], [3, 6, 1])])
 def test_backend_matches_reference(backend, starts, qlens):

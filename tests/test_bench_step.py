@@ -11,7 +11,7 @@ def test_step_rows_have_every_phase(capsys):
     for r in rows:
         assert set(r["phases_ms"]) == set(bench_step.PHASES)
         assert r["engine_step_ms"] > 0 and r["bare_forward_ms"] > 0
-        assert r["phases_ms"]["kv gather + attention"] > 0 and r["phases_ms"]["mlp"] > 0
+        assert r["phases_ms"]["kv write + attention"] > 0 and r["phases_ms"]["mlp"] > 0
 
 
 def test_bad_batch_exits_2(capsys, monkeypatch):

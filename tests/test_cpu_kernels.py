@@ -1,10 +1,15 @@
-"""labkit.cpu_kernels: the int8 kernel equals the dequantized reference, gives a row the same
-result whatever rows share its call, and QuantLinear falls back to torch's kernel without it."""
+"""labkit.cpu_kernels: the int8 kernel equals the dequantized reference and gives a row the
+same result whatever rows share its call; QuantLinear falls back to torch's kernel without it.
+The attention kernel writes k and v and attends as the naive reference does, and a token's
+result does not depend on what else is in its step."""
 
 import pytest
 import torch
 
 from labkit import cpu_kernels
+from labkit.attention import AttentionMeta, NaiveAttention, PagedAttention
+from labkit.model import ModelConfig
+from labkit.paged_kv import PagedKVCache
 from labkit.quant import QuantLinear, QuantScheme
 
 built = cpu_kernels.kernels()
@@ -57,3 +62,86 @@ def test_without_the_kernel_quantlinear_uses_torchs(monkeypatch):
 def test_the_kernel_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("LABKIT_CPU_KERNELS", "0")
     assert cpu_kernels._build() is None
+
+
+# ---- paged_attention ------------------------------------------------------------------------
+
+def _pool_step(cfg, starts, qlens, block=4, seed=0):
+    """A pool holding each sequence's cached context on scattered pages, and a step's inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-(s + q) // block) for s, q in zip(starts, qlens)]
+    perm = torch.randperm(sum(pages) + 3, generator=gen).tolist()
+    tables, at = [], 0
+    for n in pages:
+        tables.append(perm[at:at + n] + [0] * (max(pages) - n))
+        at += n
+    cache = PagedKVCache(cfg, sum(pages) + 3, block)
+    cache.cfg = cfg  # for _attend's copy
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    t = sum(qlens)
+    q = torch.randn(t, cfg.num_heads, cfg.head_dim, generator=gen)
+    k = torch.randn(t, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    v = torch.randn(t, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    meta = AttentionMeta.build(torch.tensor(qlens), torch.tensor(starts), torch.tensor(tables),
+                               block)
+    return cache, meta, q, k, v
+
+
+def _attend(backend_cls, cache, meta, q, k, v, **kw):
+    store = PagedKVCache(cache.cfg, cache.num_blocks, cache.block_size)  # a copy: writes land
+    store.cfg = cache.cfg
+    store.k.copy_(cache.k)
+    store.v.copy_(cache.v)
+    attn = backend_cls(store, **kw)
+    attn.begin_step(meta)
+    return attn.attend(0, q, k, v), store
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (5, 1, 20),
+                                                     (8, 2, 72)])
+def test_paged_attention_in_place_equals_the_naive_reference(heads, kv_heads, head_dim):
+    # head groups of 3, 2, 5 (3 + 2) and 4 (3 + 1); head widths with 8-lane tails and none
+    cfg = ModelConfig.tiny().with_(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+    cache, meta, q, k, v = _pool_step(cfg, starts=[0, 9, 4, 30], qlens=[7, 1, 3, 1])
+    want, want_store = _attend(NaiveAttention, cache, meta, q, k, v)
+    got, store = _attend(PagedAttention, cache, meta, q, k, v)
+    assert torch.equal(store.k, want_store.k) and torch.equal(store.v, want_store.v)  # writes
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    gathered, _ = _attend(PagedAttention, cache, meta, q, k, v, cpu_kernel=False)
+    torch.testing.assert_close(got, gathered, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_tokens_attention_does_not_depend_on_what_shares_its_step():
+    # the same decode token, alone and beside a prefill chunk and other decodes: bit-equal;
+    # and a prompt's last token in one whole prefill or as a chunk of its own: bit-equal
+    cfg = ModelConfig.smollm2_135m().with_(num_layers=1)
+    cache, meta, q, k, v = _pool_step(cfg, starts=[40, 0, 17], qlens=[1, 12, 1], seed=5)
+    together, _ = _attend(PagedAttention, cache, meta, q, k, v)
+    solo = AttentionMeta.build(torch.tensor([1]), torch.tensor([40]), meta.ctx_slots[:1, :1]
+                               .new_tensor([_table(cache, meta, 0)]), cache.block_size)
+    alone, _ = _attend(PagedAttention, cache, solo, q[:1], k[:1], v[:1])
+    assert torch.equal(alone[0], together[0])
+    # the prompt of row 1: tokens 0..10 already cached (written by the step above), token 11 now
+    _, written = _attend(PagedAttention, cache, meta, q, k, v)
+    chunk = AttentionMeta.build(torch.tensor([1]), torch.tensor([11]),
+                                torch.tensor([_table(cache, meta, 1)]), cache.block_size)
+    last, _ = _attend(PagedAttention, written, chunk, q[12:13], k[12:13], v[12:13])
+    assert torch.equal(last[0], together[12])
+
+
+def _table(cache, meta, b):
+    """Row b's block table, read back from its context slots."""
+    n = int(meta.ctx_lens[b])
+    return [int(s) // cache.block_size for s in meta.ctx_slots[b, :n:cache.block_size]]
+
+
+@needs_kernel
+def test_paged_attention_refuses_a_slot_outside_the_pool():
+    cfg = ModelConfig.tiny()
+    cache, meta, q, k, v = _pool_step(cfg, starts=[3], qlens=[1])
+    meta.ctx_slots[0, 0] = cache.num_slots  # one past the end
+    with pytest.raises(RuntimeError, match="slot outside the pool"):
+        _attend(PagedAttention, cache, meta, q, k, v)
