@@ -288,10 +288,9 @@ class PagedAttention(AttentionBackend):
 
     def _in_place(self, q: torch.Tensor):
         """labkit's CPU attention kernel when it serves this call, else None."""
-        if not (self.cpu_kernel and q.device.type == "cpu" and q.dtype == torch.float32
-                and self.store.k.dtype == torch.float32):
+        if not (self.cpu_kernel and self.store.k.dtype == torch.float32):
             return None
-        return cpu_kernels.kernels()
+        return cpu_kernels.usable(q)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:

@@ -8,7 +8,10 @@ For each scheme (fp32 first, then `--schemes`), one row per batch size:
   scheme, in an order that reverses each round, and keeps each turn's median; a scheme's
   `speedup_vs_fp32` is the median over rounds of fp32's turn / its turn in the same round;
 - `tok_s_single_stream`: one greedy request of `--gen-tokens` tokens through the engine
-  (the whole step: sampling, commit, detokenizing), also in alternating turns;
+  (the whole step: sampling, commit, detokenizing), also in alternating turns, from submission
+  to the last token, so the prompt's prefill is in it; `tok_s_decode`: the same request's
+  tokens after the first (1 / its mean inter-token time), decode alone, as llama.cpp's "tg"
+  figure is; `gen_speedup_vs_fp32`, `decode_speedup_vs_fp32`: turn-against-turn medians;
 - `nll`, `nll_delta_pct`: mean token NLL on the start of the default text (labkit.perplexity).
 
 Every model, fp32 included, runs with q/k/v and gate/up fused (`--no-fuse`: separate linears).
@@ -115,9 +118,15 @@ def bench_quant(model_name: str = "smollm2-135m", schemes: list[str] | None = No
     params = SamplingParams(max_new_tokens=gen_tokens, ignore_eos=True)
     engines = {n: labkit.Engine(m, tok, max_seqs=1, kv_tokens=1024) for n, m in models.items()}
 
-    def gen(engine):
-        return lambda: labkit.generate([prompt], params, engine=engine)
-    gen_turns = alternate({n: gen(e) for n, e in engines.items()}, max(rounds // 2, 2), 1)
+    tpots: dict[str, list[float]] = {n: [] for n in names}  # each turn's mean inter-token s
+
+    def gen(n, engine):
+        def turn():
+            tpots[n].append(labkit.generate([prompt], params, engine=engine)[0].tpot_s)
+        return turn
+    gen_turns = alternate({n: gen(n, e) for n, e in engines.items()}, max(rounds // 2, 2), 1)
+    for n in names:
+        del tpots[n][0]  # alternate()'s warm-up call, not a turn
     rows = []
     for n in names:
         tok_s = gen_tokens / (statistics.median(gen_turns[n]) / 1e3)
@@ -128,6 +137,9 @@ def bench_quant(model_name: str = "smollm2-135m", schemes: list[str] | None = No
                 "predicted_speedup": weight_bytes(models["none"]) / weight_bytes(models[n]),
                 "tok_s_single_stream": tok_s,
                 "gen_speedup_vs_fp32": _ratios(gen_turns["none"], gen_turns[n]),
+                # the tokens after the first: decode alone, without the prompt's prefill
+                "tok_s_decode": 1.0 / statistics.median(tpots[n]),
+                "decode_speedup_vs_fp32": _ratios(tpots["none"], tpots[n]),
                 "nll": nlls[n], "nll_delta_pct": 100 * (nlls[n] / nlls["none"] - 1),
                 "model": model_name, "threads": torch.get_num_threads(), "fused": fuse,
                 "rounds": rounds, "nll_tokens": len(ids) - 1})
@@ -167,11 +179,14 @@ def main(argv: list[str]) -> int:
 
 def _table(rows: list[dict], rounds: int) -> None:
     print(f"{'quant':<14} {'batch':>5} {'weight MB':>9} {'step ms':>8} {'speedup':>8} "
-          f"{'predicted':>9} {'tok/s 1x':>8} {'NLL':>7} {'dNLL %':>7}")
+          f"{'predicted':>9} {'tok/s 1x':>8} {'gen x':>6} {'decode':>7} {'dec x':>6} "
+          f"{'NLL':>7} {'dNLL %':>7}")
     for r in rows:
         print(f"{r['quant']:<14} {r['batch']:>5} {r['weight_bytes'] / 1e6:>9.1f} "
               f"{r['step_ms']:>8.2f} {r['speedup_vs_fp32']:>7.2f}x {r['predicted_speedup']:>8.2f}x "
-              f"{r['tok_s_single_stream']:>8.1f} {r['nll']:>7.4f} {r['nll_delta_pct']:>+7.2f}")
+              f"{r['tok_s_single_stream']:>8.1f} {r['gen_speedup_vs_fp32']:>5.2f}x "
+              f"{r['tok_s_decode']:>7.1f} {r['decode_speedup_vs_fp32']:>5.2f}x "
+              f"{r['nll']:>7.4f} {r['nll_delta_pct']:>+7.2f}")
     print(f"{rows[0]['model']}, {rows[0]['threads']} torch threads, "
           f"{'fused' if rows[0]['fused'] else 'separate'} q/k/v and gate/up; speedups are "
           f"medians over {rounds} rounds of turn-against-turn ratios; predicted = fp32 "

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from labkit.cpu_kernels import kernels
+from labkit.cpu_kernels import usable
 
 QUANT_VERSION = 1  # bump when the quantized format changes: cached entries go stale
 INT4_GROUPS = (32, 64, 128)
@@ -266,8 +266,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
-        if self.scheme.bits == 8 and x.device.type == "cpu" and x.dtype == torch.float32:
-            mod = kernels()  # labkit's int8 kernel (labkit.cpu_kernels), where it builds
+        if self.scheme.bits == 8:
+            mod = usable(x)  # labkit's int8 kernel (labkit.cpu_kernels), where it serves
             if mod is not None:
                 y = mod.int8_linear(x.reshape(-1, self.in_features).contiguous(),
                                     self.qweight, self.scale)  # [M, N]

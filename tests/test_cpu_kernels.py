@@ -145,3 +145,47 @@ def test_paged_attention_refuses_a_slot_outside_the_pool():
     meta.ctx_slots[0, 0] = cache.num_slots  # one past the end
     with pytest.raises(RuntimeError, match="slot outside the pool"):
         _attend(PagedAttention, cache, meta, q, k, v)
+
+
+# ---- the small per-row ops ------------------------------------------------------------------
+
+def _torch_path(monkeypatch, fn, *args):
+    """fn(*args) with labkit's kernels out of the way: the model's torch ops."""
+    with monkeypatch.context() as m:
+        m.setitem(cpu_kernels._state, "module", None)
+        return fn(*args)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,d", [(1, 576), (5, 64), (3, 20)])
+def test_rms_norm_rope_and_silu_mul_equal_the_torch_ops(monkeypatch, rows, d):
+    from torch.nn import functional as F
+
+    from labkit.model import apply_rope, rms_norm, rope_tables, silu_mul
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, d, generator=gen) * 3, torch.randn(d, generator=gen)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5),
+                               _torch_path(monkeypatch, rms_norm, x, w, 1e-5))
+    qkv = torch.randn(rows, 7, d, generator=gen)  # rope on a view: the first 5 heads
+    cos, sin = rope_tables(d, 1e4, torch.arange(rows) * 37)
+    got = apply_rope(qkv[:, :5], cos, sin)
+    torch.testing.assert_close(got, _torch_path(monkeypatch, apply_rope, qkv[:, :5], cos, sin))
+    gu = torch.randn(rows, 2 * d, generator=gen) * 4
+    gate, up = gu.chunk(2, dim=-1)  # views with a row stride of 2d
+    torch.testing.assert_close(silu_mul(gate, up), F.silu(gate) * up)
+
+
+@needs_kernel
+def test_the_kernels_stand_aside_while_a_torch_mode_is_on():
+    # a pybind call is invisible to a dispatch trace (and to tests' fake CUDA graphs)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(2, 8)
+    assert cpu_kernels.usable(x) is built
+    assert cpu_kernels.usable(x.double()) is None
+    with Seen():
+        assert cpu_kernels.usable(x) is None
