@@ -36,8 +36,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=12, help="timed decode steps of each kind")
     p.add_argument("--model", default="smollm2-135m", help="a model name (tiny, smollm2-135m)")
+    p.add_argument("--quant", default="none",
+                   help="weights: none, int8, int4[-gN][-awq] (labkit.quant; quantized models "
+                        "run with q/k/v and gate/up fused)")
     p.add_argument("--json", action="store_true", help="JSON rows on stdout")
     args = p.parse_args(argv)
+    from labkit.quant import QuantScheme
+    try:
+        QuantScheme.parse(args.quant)
+    except ValueError as err:
+        p.error(f"--quant: {err}")
     try:
         args.batch = [int(b) for b in args.batch.split(",")]
     except ValueError:
@@ -81,12 +89,12 @@ def _instrument(engine, timers: _Timers) -> None:
     # one kernel call does both, in place; elsewhere two index_copy_, a gather and SDPA)
     backend.attend = timers.wrap("kv write + attention", backend.attend)
     for layer in model.layers:
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            m = getattr(layer, name)
-            m.forward = timers.wrap("qkvo proj", m.forward)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            m = getattr(layer, name)
-            m.forward = timers.wrap("mlp", m.forward)
+        for label, names in (("qkvo proj", ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")),
+                             ("mlp", ("gate_proj", "up_proj", "gate_up_proj", "down_proj"))):
+            for name in names:  # separate or fused (LlamaModel.fuse_projections)
+                m = getattr(layer, name, None)
+                if m is not None:
+                    m.forward = timers.wrap(label, m.forward)
 
 
 def _head_s(model, batch: int, repeats: int) -> float:
@@ -100,7 +108,9 @@ def _head_s(model, batch: int, repeats: int) -> float:
     with torch.inference_mode():
         for _ in range(repeats):
             t0 = time.perf_counter()
-            rms_norm(x, model.final_norm, model.cfg.rms_norm_eps) @ model.head_weight.t()
+            h = rms_norm(x, model.final_norm, model.cfg.rms_norm_eps)
+            # an untied or quantized head is a module; a tied one is the embedding matrix
+            model.lm_head(h) if model.lm_head is not None else h @ model.embed.weight.t()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -168,10 +178,10 @@ def main(argv: list[str]) -> int:
 
     from labkit.loading import load_model
 
-    log(f"bench step: model {args.model}, context {args.context}, {args.steps} steps each, "
-        f"{torch.get_num_threads()} torch threads")
+    log(f"bench step: model {args.model} (quant {args.quant}), context {args.context}, "
+        f"{args.steps} steps each, {torch.get_num_threads()} torch threads")
     def measure() -> list[dict]:
-        model, _ = load_model(args.model)
+        model, _ = load_model(args.model, quant=args.quant)
         rows = []
         for b in args.batch:
             log(f"  batch {b} ...")

@@ -61,10 +61,20 @@ static inline float lanes_sum(__m256 v) {  // one fixed order, the same everywhe
 }
 #endif
 
-// RM rows of x against RN dequantized weight rows: out[i][j] = sum_k x[i][k] * w[j][k].
-// Every output: one accumulator, k ascending by 8, a fixed lane reduction, then the tail.
-template <int RM, int RN>
-static inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* y,
+// 8 weights as fp32: from an fp32 buffer, or straight from int8 codes (exact either way)
+#ifdef __AVX2__
+static inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+static inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+#endif
+
+// RM rows of x against RN weight rows (fp32 values, or int8 codes W): out[i][j] = sum_k
+// x[i][k] * w[j][k]. Every output: one accumulator, k ascending by 8, a fixed lane reduction,
+// then the tail; whatever W and the tile shape, the same operations on the same values.
+template <int RM, int RN, class W>
+static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y,
                         int64_t ldy) {
   const int64_t K8 = K - K % 8;
 #ifdef __AVX2__
@@ -73,7 +83,7 @@ static inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, 
     for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K8; k += 8) {
     __m256 wv[RN];
-    for (int j = 0; j < RN; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * K + k);
     for (int i = 0; i < RM; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
       for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -81,11 +91,8 @@ static inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, 
   }
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) {
-      alignas(32) float lane[8];
-      _mm256_store_ps(lane, acc[i][j]);
-      float s = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
-                ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-      for (int64_t k = K8; k < K; ++k) s += x[i * ldx + k] * w[j * K + k];
+      float s = lanes_sum(acc[i][j]);
+      for (int64_t k = K8; k < K; ++k) s += x[i * ldx + k] * (float)w[j * K + k];
       y[i * ldy + j] = s;
     }
 #else
@@ -93,17 +100,17 @@ static inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, 
     for (int j = 0; j < RN; ++j) {
       float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int64_t k = 0; k < K8; k += 8)
-        for (int l = 0; l < 8; ++l) lane[l] += x[i * ldx + k + l] * w[j * K + k + l];
+        for (int l = 0; l < 8; ++l) lane[l] += x[i * ldx + k + l] * (float)w[j * K + k + l];
       float s = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
                 ((lane[2] + lane[6]) + (lane[3] + lane[7]));
-      for (int64_t k = K8; k < K; ++k) s += x[i * ldx + k] * w[j * K + k];
+      for (int64_t k = K8; k < K; ++k) s += x[i * ldx + k] * (float)w[j * K + k];
       y[i * ldy + j] = s;
     }
 #endif
 }
 
-template <int RN>
-static void rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
+template <int RN, class W>
+static void rows(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N) {
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) tile<4, RN>(x + m * K, K, w, K, y + m * N, N);
   switch (M - m) {
@@ -114,50 +121,47 @@ static void rows(const float* x, int64_t M, int64_t K, const float* w, float* y,
   }
 }
 
-// the whole product, RN weight rows at a time: each block's codes are converted once into an
-// fp32 buffer that stays in L1 (`deq(n, w)` writes weight row n), then multiplied with every
-// row of x
-template <int RN, class Deq>
-static void blocks(const float* xp, const Deq& deq, float* yp, int64_t M, int64_t K,
-                   int64_t N) {
-  const int64_t nblocks = (N + RN - 1) / RN;
-  at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
-    std::vector<float> w(RN * K);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
-      for (int64_t j = 0; j < rn; ++j) deq(n0 + j, w.data() + j * K);
-      if (rn == RN) {
-        rows<RN>(xp, M, K, w.data(), yp + n0, N);
-      } else {
-        for (int64_t j = 0; j < rn; ++j) rows<1>(xp, M, K, w.data() + j * K, yp + n0 + j, N);
-      }
-    }
-  });
-}
-
-// tiles of up to 4 rows x 3 weight rows (12 accumulators, 3 weights, 1 x: 16 registers); a row
-// or two alone would leave too few independent sums in flight, so they take 6 weight rows at
-// once. The tile shape never changes how one output is summed.
-template <class Deq>
-static void product(const float* xp, const Deq& deq, float* yp, int64_t M, int64_t K,
-                    int64_t N) {
-  if (M < 4) blocks<6>(xp, deq, yp, M, K, N);
-  else blocks<3>(xp, deq, yp, M, K, N);
-}
-
-// y [M, N] = x [M, K] (fp32, contiguous) times int8 codes q [N, K] and per-row scales s [N]
+// y [M, N] = x [M, K] (fp32, contiguous) times int8 codes q [N, K] and per-row scales s [N]:
+// y[m, n] = (sum_k x[m, k] q[n, k]) * s[n], the scale once per output, not once per weight.
+// One to three rows of x read the codes straight into registers, 6 weight rows at a time
+// (independent sums in flight); more rows convert 3 code rows at a time into an fp32 buffer
+// that stays in L1 and reuse it for every row of x, in tiles of up to 4 x 3 (12 accumulators,
+// 3 weights, 1 x: 16 registers). Both give every output the same sums of the same values.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(q.size(1) == K && s.numel() == N, "int8_linear: x [M, K], q [N, K], s [N]");
+  TORCH_CHECK(q.size(1) == K && s.numel() == N && q.is_contiguous() && x.is_contiguous(),
+              "int8_linear: x [M, K], q [N, K], s [N]");
   auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
-  auto deq = [&](int64_t n, float* w) {  // q * s: exact in fp32
-    const int8_t* row = qp + n * K;
-    const float scale = sp[n];
-    for (int64_t k = 0; k < K; ++k) w[k] = (float)row[k] * scale;
-  };
-  product(x.data_ptr<float>(), deq, y.data_ptr<float>(), M, K, N);
+  float* yp = y.data_ptr<float>();
+  const int64_t RN = M < 4 ? 6 : 3;
+  const int64_t nblocks = (N + RN - 1) / RN;
+  at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
+    std::vector<float> w(M < 4 ? 0 : RN * K);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
+      if (M < 4 && rn == 6) {
+        rows<6>(xp, M, K, qp + n0 * K, yp + n0, N);
+      } else if (M < 4) {
+        for (int64_t j = 0; j < rn; ++j) rows<1>(xp, M, K, qp + (n0 + j) * K, yp + n0 + j, N);
+      } else {
+        for (int64_t j = 0; j < rn; ++j) {  // the codes as fp32 (exact), unscaled
+          const int8_t* row = qp + (n0 + j) * K;
+          float* wr = w.data() + j * K;
+          for (int64_t k = 0; k < K; ++k) wr[k] = (float)row[k];
+        }
+        if (rn == 3) {
+          rows<3>(xp, M, K, w.data(), yp + n0, N);
+        } else {
+          for (int64_t j = 0; j < rn; ++j) rows<1>(xp, M, K, w.data() + j * K, yp + n0 + j, N);
+        }
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < rn; ++j) yp[m * N + n0 + j] *= sp[n0 + j];
+    }
+  });
   return y;
 }
 
@@ -587,10 +591,12 @@ def _build():
         print("labkit: compiling its CPU kernels (once per machine, about a minute)...",
               file=sys.stderr, flush=True)
     try:
+        # -ffp-contract=off: no FMA the source did not write, so a scalar tail sums the same
+        # way in every template instance (the batch invariance above depends on it)
         return load_inline(name, cpp_sources=_SOURCE,
                            functions=["int8_linear", "paged_attention", "rms_norm", "rope",
                                       "silu_mul"],
-                           extra_cflags=["-O3", "-fopenmp", *flags],
+                           extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
     except Exception as err:  # no working compiler: torch's kernel serves instead
         warnings.warn(f"labkit's CPU kernels did not build ({type(err).__name__}); using "

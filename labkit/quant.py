@@ -269,8 +269,9 @@ class QuantLinear(nn.Module):
         if self.scheme.bits == 8:
             mod = usable(x)  # labkit's int8 kernel (labkit.cpu_kernels), where it serves
             if mod is not None:
-                y = mod.int8_linear(x.reshape(-1, self.in_features).contiguous(),
-                                    self.qweight, self.scale)  # [M, N]
+                x2 = x if x.dim() == 2 and x.is_contiguous() else (
+                    x.reshape(-1, self.in_features).contiguous())  # [M, K]
+                y = mod.int8_linear(x2, self.qweight, self.scale)  # [M, N]
                 y = y if self.bias is None else y + self.bias
                 return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         # torch's packed kernels take bf16 rows
