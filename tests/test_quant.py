@@ -251,3 +251,6 @@ def test_generate_and_bench_quant_take_the_flag(capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [row["quant"] for row in rows] == ["none", "int8"]
     assert rows[1]["weight_bytes"] < rows[0]["weight_bytes"] / 3
+    for row in rows:  # decode alone (after the first token) beside the whole request
+        assert row["tok_s_decode"] > 0 and row["decode_speedup_vs_fp32"] > 0
+    assert rows[0]["decode_speedup_vs_fp32"] == 1.0  # fp32 against itself, turn by turn
