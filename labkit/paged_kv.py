@@ -9,8 +9,9 @@ takes pages from a shared pool only as it needs them, like virtual memory.
 Both caches store K and V per layer in one flat tensor of *slots* (a slot holds one token's
 keys or values for every KV head). The only difference between them is the address of token
 `pos` of a sequence: `page = table[pos // block_size]; slot = page * block_size + pos %
-block_size` when paged, `slot = row * max_len + pos` when contiguous. Attention gathers by slot,
-so the same attention code runs on both.
+block_size` when paged, `slot = row * max_len + pos` when contiguous. Attention reads by slot
+(on the CPU, labkit's kernel reads each slot in place; elsewhere a gather), so the same
+attention code runs on both.
 """
 
 from __future__ import annotations
