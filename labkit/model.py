@@ -150,7 +150,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """
     # x: [T, H, D]; cos, sin: [T, 1, D]
     kernels = cpu_kernels.usable(x)
-    if kernels is not None and x.stride(-1) == 1 and cos.is_contiguous():
+    if kernels is not None and x.dim() == 3 and x.stride(-1) == 1 and cos.is_contiguous():
         return kernels.rope(x, cos, sin)  # the same formula, one call (labkit.cpu_kernels)
     x32 = x if x.dtype == torch.float32 else x.float()
     out = torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), sin)
