@@ -1,13 +1,14 @@
-"""labkit's two hand-written CPU kernels: weight-only int8 linear, and attention that reads the
-paged KV pool in place.
+"""labkit's hand-written CPU kernels (C++, AVX2 + FMA intrinsics where the CPU has them, a
+scalar loop of the same structure elsewhere), for the places where torch's ops cost more in
+dispatch or conversion than in arithmetic.
 
 **int8_linear**: y = x W^T with W as int8 codes and per-row scales. torch's packed CPU kernel
 (`torch._weight_int8pack_mm`) takes bf16 activations and, on an AVX2 laptop at batch 1, spends
 ~190 us on a 1 MB SmolLM2 layer matrix (5 GB/s): it is busy converting, not reading bytes. This
-kernel reads the codes once per call. It converts a few rows at a time into fp32 in a small
-buffer that stays in L1 (`q * s` is exact in fp32: an 8-bit code times a bf16 scale), then
-multiplies them into tiles of up to 4 x 3 outputs, 8 lanes at a time (AVX2 + FMA intrinsics; a
-scalar loop of the same structure elsewhere).
+kernel reads the codes once per call: for one to three rows of x it turns them into fp32 in
+registers, for more it converts three code rows at a time into a buffer that stays in L1 and
+reuses it for every row; tiles of up to 4 x 3 outputs, 8 lanes at a time; each row's scale is
+applied once, to the finished sum; each thread prefetches its next block of code rows.
 
 **paged_attention**: each new token attends over its sequence's context by reading the K and V
 pool rows at the context's slots where they lie. The gather-then-SDPA path copies every
@@ -15,6 +16,9 @@ sequence's context into one padded tensor first, each layer (at batch 32, contex
 SmolLM2: ~2 ms a layer for the copy alone), and builds a [B, G*Tq, L] mask. Here one work item
 is a token and a KV head: its G query heads share every K and V row read; scores, a softmax
 (a vectorised exp) and the weighted sum of V, in fp32, keys in order.
+
+**rms_norm, rope, silu_mul**: a layer's small per-row ops (labkit.model calls them), one call
+each instead of 3 to 9 dispatched torch ops: at batch 1 a dispatch costs more than the work.
 
 **Batch-invariant by construction.** A row's result never depends on how many other rows share
 its step. In int8_linear each output y[m, n] gets its own accumulator, is summed over k in
@@ -27,8 +31,9 @@ results/cpu-quiet-2026-12-01.md).
 
 The kernels are compiled once (`torch.utils.cpp_extension`: a C++ compiler and ninja; about a
 minute, with a line on stderr, then cached under labkit's cache directory). Where that fails,
-`kernels()` is None: QuantLinear keeps torch's kernel and PagedAttention gathers and runs SDPA.
-`LABKIT_CPU_KERNELS=0` turns them off.
+`kernels()` is None: QuantLinear keeps torch's kernel, PagedAttention gathers and runs SDPA,
+and the model runs its torch ops. `LABKIT_CPU_KERNELS=0` turns them off. While a torch mode is
+active they stand aside too (`usable`).
 """
 
 from __future__ import annotations
@@ -53,11 +58,15 @@ _SOURCE = r"""
 #include <immintrin.h>
 #endif
 
+// the sum of 8 lanes in one fixed order, the same everywhere (vector and scalar paths)
+static inline float sum8(const float* l) {
+  return ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+}
 #ifdef __AVX2__
-static inline float lanes_sum(__m256 v) {  // one fixed order, the same everywhere
+static inline float lanes_sum(__m256 v) {
   alignas(32) float l[8];
   _mm256_store_ps(l, v);
-  return ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+  return sum8(l);
 }
 #endif
 
@@ -101,8 +110,7 @@ static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, floa
       float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int64_t k = 0; k < K8; k += 8)
         for (int l = 0; l < 8; ++l) lane[l] += x[i * ldx + k + l] * (float)w[j * K + k + l];
-      float s = ((lane[0] + lane[4]) + (lane[1] + lane[5])) +
-                ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+      float s = sum8(lane);
       for (int64_t k = K8; k < K; ++k) s += x[i * ldx + k] * (float)w[j * K + k];
       y[i * ldy + j] = s;
     }
@@ -228,18 +236,18 @@ static inline void scores4(const float* q, const float* const* kr, int64_t D, fl
   }
 }
 
-// o[g][d0 .. d0 + 8C) = inv[g] * sum over keys p of w[g * ldw + p] * v_p[d0 ..], keys in order;
+// o[g][d0 .. d0 + 8C) = inv[g] * sum over keys p of w[g * nk + p] * v_p[d0 ..], keys in order;
 // GC x C accumulators stay in registers for the whole context
 template <int GC, int C>
-static inline void weighted_v(const float* w, int64_t ldw, const float* vp, const int64_t* off,
-                              int64_t nk, int64_t d0, const float* inv, float* o, int64_t D) {
+static inline void weighted_v(const float* w, const float* vp, const int64_t* off, int64_t nk,
+                              int64_t d0, const float* inv, float* o, int64_t D) {
   __m256 acc[GC][C];
   for (int g = 0; g < GC; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
   for (int64_t p = 0; p < nk; ++p) {
     const float* vr = vp + off[p] + d0;
     __m256 wv[GC];
-    for (int g = 0; g < GC; ++g) wv[g] = _mm256_set1_ps(w[g * ldw + p]);
+    for (int g = 0; g < GC; ++g) wv[g] = _mm256_set1_ps(w[g * nk + p]);
     for (int c = 0; c < C; ++c) {
       const __m256 vv = _mm256_loadu_ps(vr + 8 * c);
       for (int g = 0; g < GC; ++g) acc[g][c] = _mm256_fmadd_ps(wv[g], vv, acc[g][c]);
@@ -267,11 +275,11 @@ static void weighted_all(const float* w, int64_t nk, const float* vp, const int6
                          int64_t D, const float* inv, float* o) {
   const int64_t D8 = D - D % 8;
   int64_t d0 = 0;
-  for (; d0 + 32 <= D8; d0 += 32) weighted_v<GC, 4>(w, nk, vp, off, nk, d0, inv, o, D);
+  for (; d0 + 32 <= D8; d0 += 32) weighted_v<GC, 4>(w, vp, off, nk, d0, inv, o, D);
   switch ((D8 - d0) / 8) {
-    case 3: weighted_v<GC, 3>(w, nk, vp, off, nk, d0, inv, o, D); break;
-    case 2: weighted_v<GC, 2>(w, nk, vp, off, nk, d0, inv, o, D); break;
-    case 1: weighted_v<GC, 1>(w, nk, vp, off, nk, d0, inv, o, D); break;
+    case 3: weighted_v<GC, 3>(w, vp, off, nk, d0, inv, o, D); break;
+    case 2: weighted_v<GC, 2>(w, vp, off, nk, d0, inv, o, D); break;
+    case 1: weighted_v<GC, 1>(w, vp, off, nk, d0, inv, o, D); break;
     default: break;
   }
   for (int g = 0; g < GC; ++g)
@@ -295,7 +303,7 @@ static inline float dot(const float* a, const float* b, int64_t D) {
   float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t d = 0; d < D8; d += 8)
     for (int j = 0; j < 8; ++j) l[j] += a[d + j] * b[d + j];
-  s = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+  s = sum8(l);
 #endif
   for (int64_t d = D8; d < D; ++d) s += a[d] * b[d];
   return s;
@@ -324,14 +332,89 @@ static float exp_and_sum(float* p, int64_t n, float max) {
   float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t i = 0; i < n8; i += 8)
     for (int j = 0; j < 8; ++j) { p[i + j] = std::exp(p[i + j] - max); l[j] += p[i + j]; }
-  total = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+  total = sum8(l);
   for (int64_t i = n8; i < n; ++i) { p[i] = std::exp(p[i] - max); total += p[i]; }
 #endif
   return total;
 }
 
-// out [T, H, D] = softmax(q k^T * scale) v for every new token, where the keys of token t
-// (sequence b, position pos) are the K/V pool rows at slots[b, 0..pos]. q: [T, H, D];
+// s[g * nk + p] = scale * (query head g . key p) for the G query heads at qh (D apart) and
+// the nk keys whose rows start at kp + off[p]
+static void scores(const float* qh, const float* kp, const int64_t* off, int64_t nk,
+                   int64_t G, int64_t D, float scale, float* s) {
+#ifdef __AVX2__
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {  // query heads three at a time (registers)
+    switch (std::min<int64_t>(3, G - g0)) {
+      case 3: scores_all<3>(qh + g0 * D, kp, off, nk, D, scale, s + g0 * nk); break;
+      case 2: scores_all<2>(qh + g0 * D, kp, off, nk, D, scale, s + g0 * nk); break;
+      default: scores_all<1>(qh + g0 * D, kp, off, nk, D, scale, s + g0 * nk); break;
+    }
+  }
+#else
+  for (int64_t p = 0; p < nk; ++p)
+    for (int64_t g = 0; g < G; ++g) s[g * nk + p] = dot(qh + g * D, kp + off[p], D) * scale;
+#endif
+}
+
+// oh[g] = inv[g] * sum over keys p of w[g * nk + p] * (value row at vp + off[p]), keys in order
+static void weighted(const float* w, int64_t nk, const float* vp, const int64_t* off,
+                     int64_t G, int64_t D, const float* inv, float* oh) {
+#ifdef __AVX2__
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    switch (std::min<int64_t>(3, G - g0)) {
+      case 3: weighted_all<3>(w + g0 * nk, nk, vp, off, D, inv + g0, oh + g0 * D); break;
+      case 2: weighted_all<2>(w + g0 * nk, nk, vp, off, D, inv + g0, oh + g0 * D); break;
+      default: weighted_all<1>(w + g0 * nk, nk, vp, off, D, inv + g0, oh + g0 * D); break;
+    }
+  }
+#else
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) {
+      float a = 0.0f;
+      for (int64_t p = 0; p < nk; ++p) a += w[g * nk + p] * vp[off[p] + d];
+      oh[g * D + d] = a * inv[g];
+    }
+#endif
+}
+
+// one work item: the G query heads at qh (of one token and KV head hk) over the nk keys at
+// the context slots row[0 .. nk); output at oh. score and off are the thread's scratch.
+static void attend_item(const float* qh, const float* kp, const float* vp, const int64_t* row,
+                        int64_t nk, int64_t hk, int64_t Hkv, int64_t G, int64_t D, float scale,
+                        float* oh, std::vector<float>& score, std::vector<int64_t>& off) {
+  score.resize(G * nk);  // [G, nk]
+  off.resize(nk);  // where key p's row of KV head hk starts, in k and in v
+  for (int64_t p = 0; p < nk; ++p) off[p] = (row[p] * Hkv + hk) * D;
+  scores(qh, kp, off.data(), nk, G, D, scale, score.data());
+  float inv[64];  // 1 / softmax denominator of each query head (G <= 64, checked)
+  for (int64_t g = 0; g < G; ++g) {  // softmax numerators in place, and their sums
+    float* s = score.data() + g * nk;
+    float m = s[0];
+    for (int64_t p = 1; p < nk; ++p) m = std::max(m, s[p]);
+    inv[g] = 1.0f / exp_and_sum(s, nk, m);
+  }
+  weighted(score.data(), nk, vp, off.data(), G, D, inv, oh);
+}
+
+// the new tokens' k and v ([T, Hkv, D], rows of any stride) into the pool k, v [S, Hkv, D] at
+// write_slots [T]: one call instead of two index_copy_ a layer
+static void write_kv(const torch::Tensor& k_new, const torch::Tensor& v_new,
+                     const int64_t* wp, int64_t S, float* kw, float* vw) {
+  const int64_t T = k_new.size(0), Hkv = k_new.size(1), D = k_new.size(2);
+  const float* kn = k_new.data_ptr<float>();
+  const float* vn = v_new.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(wp[t] >= 0 && wp[t] < S, "a write slot outside the pool");
+    for (int64_t h = 0; h < Hkv; ++h) {
+      std::copy_n(kn + t * k_new.stride(0) + h * k_new.stride(1), D, kw + (wp[t] * Hkv + h) * D);
+      std::copy_n(vn + t * v_new.stride(0) + h * v_new.stride(1), D, vw + (wp[t] * Hkv + h) * D);
+    }
+  }
+}
+
+// Writes k_new, v_new at write_slots, then returns out [T, H, D] = softmax(q k^T * scale) v
+// for every new token, where the keys of token t (sequence b, position pos) are the K/V pool
+// rows at slots[b, 0..pos]. q: [T, H, D] (rows may be a view into the fused q|k|v projection);
 // k, v: [S, Hkv, D] (one layer of the pool); slots: [B, L]; q_index: [B, Tq] packed index of
 // each sequence's j-th new token, for j < query_lens[b]; positions: [T]. One work item is a
 // token and a KV head: its G query heads share each K and V row read. Every item runs the
@@ -344,41 +427,22 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tenso
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.is_contiguous() &&
               v.is_contiguous(), "q rows of H * D values, k and v contiguous");
   slots = slots.contiguous(); q_index = q_index.contiguous();
-  query_lens = query_lens.contiguous(); positions = positions.contiguous();
+  write_slots = write_slots.contiguous(); query_lens = query_lens.contiguous();
+  positions = positions.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), S = k.size(0), Hkv = k.size(1);
-  const int64_t ldq = q.stride(0);  // q may be a view into the fused q|k|v projection
   const int64_t B = slots.size(0), L = slots.size(1), Tq = q_index.size(1), G = H / Hkv;
-  TORCH_CHECK(k.size(2) == D && H % Hkv == 0 && H / Hkv <= 64, "head shapes");
-  // first the new tokens' k and v ([T, Hkv, D], rows of any stride) into the pool at
-  // write_slots [T]: one call instead of two index_copy_ per layer
+  TORCH_CHECK(k.size(2) == D && H % Hkv == 0 && G <= 64, "head shapes");
   TORCH_CHECK(k_new.size(0) == T && k_new.size(1) == Hkv && k_new.size(2) == D &&
               k_new.sizes() == v_new.sizes() && k_new.stride(2) == 1 && v_new.stride(2) == 1,
               "k_new, v_new: [T, Hkv, D] with unit stride in D");
-  write_slots = write_slots.contiguous();
-  const int64_t* wp = write_slots.data_ptr<int64_t>();
-  {
-    float* kw = k.data_ptr<float>();
-    float* vw = v.data_ptr<float>();
-    const float* kn = k_new.data_ptr<float>();
-    const float* vn = v_new.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(wp[t] >= 0 && wp[t] < S, "a write slot outside the pool");
-      for (int64_t h = 0; h < Hkv; ++h) {
-        std::copy_n(kn + t * k_new.stride(0) + h * k_new.stride(1), D, kw + (wp[t] * Hkv + h) * D);
-        std::copy_n(vn + t * v_new.stride(0) + h * v_new.stride(1), D, vw + (wp[t] * Hkv + h) * D);
-      }
-    }
-  }
-  auto out = torch::empty({T, H, D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  write_kv(k_new, v_new, write_slots.data_ptr<int64_t>(), S, k.data_ptr<float>(),
+           v.data_ptr<float>());
+
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* ip = q_index.data_ptr<int64_t>();
   const int64_t* lp = query_lens.data_ptr<int64_t>();
   const int64_t* pp = positions.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  // the items, (token, sequence, keys); checked here, before any thread reads memory
+  // the tokens, (token, sequence, keys); checked here, before any thread reads memory
   std::vector<int64_t> tok, seq, keys;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t j = 0; j < lp[b]; ++j) {
@@ -389,7 +453,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tenso
   for (int64_t i = 0; i < B * L; ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "a slot outside the pool");
   // balance the threads: at::parallel_for gives thread i the i-th equal range of the index
-  // space, so deal the items (longest first) round-robin into those ranges; -1 is a hole
+  // space, so deal the items (token x KV head, longest first) round-robin into those ranges;
+  // -1 is a hole
   const int64_t n = (int64_t)tok.size() * Hkv;
   const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   const int64_t chunk = (n + nth - 1) / nth;
@@ -399,58 +464,20 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_new, torch::Tenso
                    [&](int64_t a, int64_t b) { return keys[a / Hkv] > keys[b / Hkv]; });
   std::vector<int64_t> place(nth * chunk, -1);
   for (int64_t r = 0; r < n; ++r) place[(r % nth) * chunk + r / nth] = order[r];
+
+  auto out = torch::empty({T, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
   at::parallel_for(0, nth * chunk, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> score;
     std::vector<int64_t> off;
     for (int64_t i = i0; i < i1; ++i) {
       if (place[i] < 0) continue;
-      const int64_t item = place[i] / Hkv, hk = place[i] % Hkv;
-      const int64_t t = tok[item], nk = keys[item];
-      const int64_t* row = sp + seq[item] * L;
-      const float* qh = qp + t * ldq + hk * G * D;  // the G query heads of KV head hk
-      float* oh = op + (t * H + hk * G) * D;
-      score.resize(G * nk);  // [G, nk]
-      off.resize(nk);  // where key p's row of KV head hk starts, in k and in v
-      for (int64_t p = 0; p < nk; ++p) off[p] = (row[p] * Hkv + hk) * D;
-      float inv[64];  // 1 / softmax denominator of each query head (G <= 64, checked)
-#ifdef __AVX2__
-      for (int64_t g0 = 0; g0 < G; g0 += 3) {  // query heads three at a time (registers)
-        const float* qg = qh + g0 * D;
-        float* sg = score.data() + g0 * nk;
-        switch (std::min<int64_t>(3, G - g0)) {
-          case 3: scores_all<3>(qg, kp, off.data(), nk, D, (float)scale, sg); break;
-          case 2: scores_all<2>(qg, kp, off.data(), nk, D, (float)scale, sg); break;
-          default: scores_all<1>(qg, kp, off.data(), nk, D, (float)scale, sg); break;
-        }
-      }
-#else
-      for (int64_t p = 0; p < nk; ++p)
-        for (int64_t g = 0; g < G; ++g)
-          score[g * nk + p] = dot(qh + g * D, kp + off[p], D) * (float)scale;
-#endif
-      for (int64_t g = 0; g < G; ++g) {  // softmax numerators in place, and their sums
-        float* s = score.data() + g * nk;
-        float m = s[0];
-        for (int64_t p = 1; p < nk; ++p) m = std::max(m, s[p]);
-        inv[g] = 1.0f / exp_and_sum(s, nk, m);
-      }
-#ifdef __AVX2__
-      for (int64_t g0 = 0; g0 < G; g0 += 3) {
-        const float* wg = score.data() + g0 * nk;
-        switch (std::min<int64_t>(3, G - g0)) {
-          case 3: weighted_all<3>(wg, nk, vp, off.data(), D, inv + g0, oh + g0 * D); break;
-          case 2: weighted_all<2>(wg, nk, vp, off.data(), D, inv + g0, oh + g0 * D); break;
-          default: weighted_all<1>(wg, nk, vp, off.data(), D, inv + g0, oh + g0 * D); break;
-        }
-      }
-#else
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) {
-          float a = 0.0f;
-          for (int64_t p = 0; p < nk; ++p) a += score[g * nk + p] * vp[off[p] + d];
-          oh[g * D + d] = a * inv[g];
-        }
-#endif
+      const int64_t item = place[i] / Hkv, hk = place[i] % Hkv, t = tok[item];
+      attend_item(qp + t * q.stride(0) + hk * G * D, kp, vp, sp + seq[item] * L, keys[item],
+                  hk, Hkv, G, D, (float)scale, op + (t * H + hk * G) * D, score, off);
     }
   });
   return out;

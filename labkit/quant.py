@@ -20,9 +20,10 @@ buys nothing. So `QuantLinear` runs torch's packed CPU kernels:
 torch's CPU kernels take **bf16 activations** (fp32 activations send int8 to a slow path), so
 on them a QuantLinear casts its input to bf16 and its output back. On the CPU with fp32
 activations, int8 runs labkit's own kernel instead (`labkit.cpu_kernels.int8_linear`, where it
-builds): it reads the same codes, converts a few rows at a time to fp32 in L1, and gives a row
-the same result whatever rows share its call (batch-invariant). Two int4 kernels written the
-same way lost to torch's at batch 1 (results/cpu-quiet-2026-12-01b.md), so int4 stays on it.
+builds): it reads the same codes, turns them into fp32 in registers (or, for many rows, a few
+code rows at a time in L1), applies each row's scale once, and gives a row the same result
+whatever rows share its call (batch-invariant). Three int4 kernels written the same way did
+not beat torch's at batch 1 (results/cpu-quiet-2026-12-01b.md), so int4 stays on it.
 Scales and zeros are rounded to bf16 when quantizing, so the kernel and the dequantize
 reference (`QuantLinear.reference`) compute with the very same numbers. The tied embedding/LM
 head: the head is quantized like any linear; the embedding lookup keeps the exact fp32 rows (it

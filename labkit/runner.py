@@ -102,10 +102,7 @@ class ModelRunner:
         attention = attention or ("paged" if cache == "paged" else "naive")
         if attention not in BACKENDS:
             raise ValueError(f"attention must be one of {sorted(BACKENDS)}, got {attention!r}")
-        # labkit's CPU attention kernel only where the runner's device is the CPU (a test's
-        # fake CUDA makes "cuda" tensors on the CPU and must take the CUDA path, as a GPU does)
-        kwargs = {"cpu_kernel": self.device.type == "cpu"} if attention == "paged" else {}
-        self.backend = BACKENDS[attention](self.cache, **kwargs)
+        self.backend = BACKENDS[attention](self.cache)
         self.attention = attention
         self.cache_kind = cache
         self.last_tokens = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
