@@ -2,6 +2,7 @@
 assertions: a benchmark measures, a test checks)."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -68,8 +69,11 @@ def test_bench_decode_json_rows_are_self_consistent():
             r["blocking_ms"])
         assert r["predicted_speedup"] == pytest.approx(
             r["blocking_ms"] / max(r["t_host_ms"], r["t_device_ms"]))
-        assert r["gain_share"] == pytest.approx(
-            (r["speedup"] - 1) / (r["predicted_speedup"] - 1), nan_ok=True)
+        if r["predicted_speedup"] > 1 + 1e-9:
+            assert r["gain_share"] == pytest.approx(
+                (r["speedup"] - 1) / (r["predicted_speedup"] - 1))
+        else:  # on a busy machine the spans can predict no gain (even < 1): no share of it
+            assert math.isnan(r["gain_share"])
         # a whole pipelined run: one zombie row per sequence, 20 tokens each
         assert r["zombie_rows"] == r["streams"]
         assert r["zombie_tax"] == pytest.approx(1 / 20)
