@@ -53,6 +53,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -173,6 +174,163 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
       }
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < rn; ++j) yp[m * N + n0 + j] *= sp[n0 + j];
+    }
+  });
+  return y;
+}
+
+// ---- int4: y = x W^T with W as 4-bit codes and a bf16 scale and zero per group of K ----
+// codes [N, K/2] uint8 in labkit's kernel layout: each 16 consecutive k of a row are 8 bytes,
+// byte j holding k = 16b + j in its low nibble and k = 16b + 8 + j in its high one (so one
+// 8-byte load and a widen give two vectors of 8 lanes: the mask is the low k, a shift the high).
+// sz [N, K/G] int32: a group's bf16 scale in the low half, its bf16 zero in the high half.
+// A weight is w = (q - 8) s + z, computed as q s + (z - 8 s): q s is exact (4 bits times 8),
+// so this rounds once, to the same fp32 value as labkit.quant.dequantize_int4.
+static inline void group_sb(uint32_t u, float* s, float* b) {
+  const uint32_t sb = u << 16, zb = u & 0xFFFF0000u;
+  float sf, zf;
+  std::memcpy(&sf, &sb, 4);
+  std::memcpy(&zf, &zb, 4);
+  *s = sf;
+  *b = zf - 8.0f * sf;
+}
+
+// RN code rows dequantized into w [RN, K] (fp32, what the register path computes in place)
+static void dequant_rows(const uint8_t* c, const uint32_t* sz, int64_t K, int64_t G, int RN,
+                         float* w) {
+  const int64_t ng = K / G;
+  for (int j = 0; j < RN; ++j)
+    for (int64_t g = 0; g < ng; ++g) {
+      float s, b;
+      group_sb(sz[j * ng + g], &s, &b);
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+        const uint8_t* p = c + j * (K / 2) + k / 2;
+#ifdef __AVX2__
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        const __m256 sv = _mm256_set1_ps(s), bv = _mm256_set1_ps(b);
+        _mm256_storeu_ps(w + j * K + k, _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), sv, bv));
+        _mm256_storeu_ps(w + j * K + k + 8, _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), sv, bv));
+#else
+        for (int l = 0; l < 8; ++l) {
+          w[j * K + k + l] = (float)(p[l] & 15) * s + b;
+          w[j * K + k + 8 + l] = (float)(p[l] >> 4) * s + b;
+        }
+#endif
+      }
+    }
+}
+
+// RM rows of x against RN code rows, the weights dequantized in registers: every output the
+// same operations on the same values as tile<RM, RN> over dequant_rows' buffer (k ascending by
+// 8 into one accumulator, the fixed lane reduction; K % 16 == 0, so no tail).
+template <int RM, int RN>
+static inline void tile4(const float* x, int64_t ldx, const uint8_t* c, const uint32_t* sz,
+                         int64_t K, int64_t G, float* y, int64_t ldy) {
+  const int64_t ng = K / G;
+#ifdef __AVX2__
+  __m256 acc[RM][RN];
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (int64_t g = 0; g < ng; ++g) {
+    float s[RN], b[RN];
+    for (int j = 0; j < RN; ++j) group_sb(sz[j * ng + g], &s[j], &b[j]);
+    for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+      __m256i v[RN];
+      for (int j = 0; j < RN; ++j)
+        v[j] = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j * (K / 2) + k / 2)));
+      for (int h = 0; h < 2; ++h)  // the low nibbles (k..k+7), then the high (k+8..k+15)
+        for (int j = 0; j < RN; ++j) {
+          const __m256 w = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(h ? _mm256_srli_epi32(v[j], 4) : _mm256_and_si256(v[j], mask)),
+              _mm256_set1_ps(s[j]), _mm256_set1_ps(b[j]));
+          for (int i = 0; i < RM; ++i)
+            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k + 8 * h), w, acc[i][j]);
+        }
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) y[i * ldy + j] = lanes_sum(acc[i][j]);
+#else
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) {
+      float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t g = 0; g < ng; ++g) {
+        float s, b;
+        group_sb(sz[j * ng + g], &s, &b);
+        for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+          const uint8_t* p = c + j * (K / 2) + k / 2;
+          for (int l = 0; l < 8; ++l) lane[l] += x[i * ldx + k + l] * ((float)(p[l] & 15) * s + b);
+          for (int l = 0; l < 8; ++l)
+            lane[l] += x[i * ldx + k + 8 + l] * ((float)(p[l] >> 4) * s + b);
+        }
+      }
+      y[i * ldy + j] = sum8(lane);
+    }
+#endif
+}
+
+// one to three rows of x against RN code rows, the codes dequantized once for all of them
+template <int RN>
+static void rows4(const float* x, int64_t M, int64_t K, int64_t G, const uint8_t* c,
+                  const uint32_t* sz, float* y, int64_t N) {
+  switch (M) {
+    case 3: tile4<3, RN>(x, K, c, sz, K, G, y, N); break;
+    case 2: tile4<2, RN>(x, K, c, sz, K, G, y, N); break;
+    case 1: tile4<1, RN>(x, K, c, sz, K, G, y, N); break;
+    default: break;
+  }
+}
+
+// y [M, N] = x [M, K] (fp32, contiguous) times int4 codes [N, K/2] (the layout above) with
+// group scales and zeros sz [N, K/G]. One to three rows of x dequantize the codes in registers,
+// 4 code rows at a time; more rows dequantize 3 code rows into an fp32 buffer that stays in L1
+// and reuse it for every row, in tiles of up to 4 x 3. Both give every output the same sums.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sz) {
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % 16 == 0 && codes.size(1) == K / 2 && sz.size(0) == N && sz.size(1) > 0 &&
+                  K % sz.size(1) == 0 && (K / sz.size(1)) % 16 == 0 && codes.is_contiguous() &&
+                  sz.is_contiguous() && x.is_contiguous() && codes.scalar_type() == at::kByte &&
+                  sz.scalar_type() == at::kInt,
+              "int4_linear: x [M, K], codes [N, K/2] uint8, sz [N, K/G] int32, K % 16 == 0, "
+              "G % 16 == 0");
+  const int64_t G = K / sz.size(1), ng = sz.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint32_t* sp = reinterpret_cast<const uint32_t*>(sz.data_ptr<int32_t>());
+  float* yp = y.data_ptr<float>();
+  const int64_t RN = M == 1 ? 4 : M < 4 ? 2 : 3;
+  const int64_t nblocks = (N + RN - 1) / RN;
+  at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
+    std::vector<float> w(M < 4 ? 0 : RN * K);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
+      if (b + 1 < b1) {  // this thread's next block, asked for now (as in int8_linear)
+        const char* next = reinterpret_cast<const char*>(cp + (n0 + RN) * (K / 2));
+        for (int64_t off = 0; off < RN * (K / 2); off += 64) __builtin_prefetch(next + off, 0, 3);
+        __builtin_prefetch(sp + (n0 + RN) * ng, 0, 3);
+      }
+      const uint8_t* c = cp + n0 * (K / 2);
+      const uint32_t* s = sp + n0 * ng;
+      if (M < 4 && rn == 4) {
+        rows4<4>(xp, M, K, G, c, s, yp + n0, N);
+      } else if (M < 4 && rn == 2) {
+        rows4<2>(xp, M, K, G, c, s, yp + n0, N);
+      } else if (M < 4) {
+        for (int64_t j = 0; j < rn; ++j)
+          rows4<1>(xp, M, K, G, c + j * (K / 2), s + j * ng, yp + n0 + j, N);
+      } else {
+        dequant_rows(c, s, K, G, (int)rn, w.data());
+        if (rn == 3) {
+          rows<3>(xp, M, K, w.data(), yp + n0, N);
+        } else {
+          for (int64_t j = 0; j < rn; ++j) rows<1>(xp, M, K, w.data() + j * K, yp + n0 + j, N);
+        }
+      }
     }
   });
   return y;
@@ -596,6 +754,27 @@ def usable(x: torch.Tensor):
     return kernels()
 
 
+def int4_fits(k: int, group_size: int, scale: torch.Tensor, zero: torch.Tensor) -> bool:
+    """Whether `int4_linear` can serve an int4 linear: the kernels are built, K and the group
+    are multiples of 16, and the scales and zeros are bf16 values (its layout stores bf16)."""
+    return (scale.device.type == "cpu" and k % 16 == 0 and group_size % 16 == 0
+            and bool((scale.bfloat16().float() == scale).all())
+            and bool((zero.bfloat16().float() == zero).all()) and kernels() is not None)
+
+
+def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_linear`'s operands from canonical int4 codes [N, K] (values 0..15) and bf16-valued
+    scales and zeros [N, K/G]: packed codes [N, K/2] uint8, each 16 consecutive k of a row in 8
+    bytes (byte j: k = 16b + j in the low nibble, k = 16b + 8 + j in the high one), and sz
+    [N, K/G] int32 (the bf16 scale's bits in the low half, the zero's in the high half)."""
+    n, k = codes.shape
+    q = codes.to(torch.uint8).reshape(n, k // 16, 2, 8)  # [N, blocks, low/high, 8]
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    bits = lambda t: t.bfloat16().view(torch.int16).to(torch.int32) & 0xFFFF  # noqa: E731
+    return packed, (bits(scale) | (bits(zero) << 16)).contiguous()
+
+
 def kernels():
     """The compiled module (`int8_linear`, `paged_attention`), or None where it cannot be
     built (or LABKIT_CPU_KERNELS=0 when first asked). Built once per process; later calls
@@ -626,7 +805,7 @@ def _build():
         # -ffp-contract=off: no FMA the source did not write, so a scalar tail sums the same
         # way in every template instance (the batch invariance above depends on it)
         return load_inline(name, cpp_sources=_SOURCE,
-                           functions=["int8_linear", "paged_attention", "rms_norm", "rope",
+                           functions=["int8_linear", "int4_linear", "paged_attention", "rms_norm", "rope",
                                       "silu_mul"],
                            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir))

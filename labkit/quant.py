@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from labkit import cpu_kernels
 from labkit.cpu_kernels import usable
 
 QUANT_VERSION = 1  # bump when the quantized format changes: cached entries go stale
@@ -241,6 +242,9 @@ class QuantLinear(nn.Module):
             codes = unpack_int4(self.qweight)  # [N, K]
             kw = torch.ops.aten._convert_weight_to_int4pack(pack_int4_hi_first(codes), 8)
             ks = _scales_and_zeros(self.scale, self.zero)
+        elif cpu_kernels.int4_fits(self.in_features, self.group_size, self.scale, self.zero):
+            # labkit's int4 kernel (labkit.cpu_kernels): fp32 activations, no casts
+            kw, ks = cpu_kernels.int4_layout(unpack_int4(self.qweight), self.scale, self.zero)
         else:
             codes = unpack_int4(self.qweight).to(torch.int32)  # [N, K]
             kw = torch._convert_weight_to_int4pack_for_cpu(codes, 1)  # [N, K/2], blocked
@@ -275,6 +279,15 @@ class QuantLinear(nn.Module):
                 y = mod.int8_linear(x2, self.qweight, self.scale)  # [M, N]
                 y = y if self.bias is None else y + self.bias
                 return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        elif self.kscale.dtype == torch.int32:  # labkit's int4 layout (cpu_kernels.int4_layout)
+            mod = usable(x)
+            if mod is None:  # a torch mode is on: its ops must see aten, so the reference
+                return self.reference(x)
+            x2 = x if x.dim() == 2 and x.is_contiguous() else (
+                x.reshape(-1, self.in_features).contiguous())  # [M, K]
+            y = mod.int4_linear(x2, self.kweight, self.kscale)  # [M, N]
+            y = y if self.bias is None else y + self.bias
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         # torch's packed kernels take bf16 rows
         # (a step makes ~120 of these calls at a few microseconds of dispatch per op: the
         # reshapes are skipped for the usual 2-D input)

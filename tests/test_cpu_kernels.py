@@ -1,5 +1,6 @@
-"""labkit.cpu_kernels: the int8 kernel equals the dequantized reference and gives a row the
-same result whatever rows share its call; QuantLinear falls back to torch's kernel without it.
+"""labkit.cpu_kernels: the int8 and int4 kernels equal the dequantized reference and give a row
+the same result whatever rows share its call; QuantLinear falls back to torch's kernels without
+them.
 The attention kernel writes k and v and attends as the naive reference does, and a token's
 result does not depend on what else is in its step."""
 
@@ -57,6 +58,77 @@ def test_without_the_kernel_quantlinear_uses_torchs(monkeypatch):
     if built is not None:  # a different path: the bf16 rounding of the activations shows
         monkeypatch.setitem(cpu_kernels._state, "module", built)
         assert not torch.equal(lin(x), got)
+
+
+def _int4_linear(n=203, k=96, spec="int4-g32", bias=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    b = torch.randn(n, generator=gen) if bias else None
+    return QuantLinear.from_weight(w, QuantScheme.parse(spec), b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 33])
+@pytest.mark.parametrize("spec,k", [("int4-g32", 96), ("int4-g32", 48), ("int4-g64", 192),
+                                    ("int4-g128", 256)])  # K = 48: groups of 16
+def test_the_int4_kernel_equals_the_dequantized_reference(rows, spec, k):
+    # N = 203: blocks of 4 (one row of x), 2 (two or three) and 3 (four and more) all end short
+    lin = _int4_linear(k=k, spec=spec, bias=rows == 3)
+    assert lin.kscale.dtype == torch.int32  # labkit's layout (cpu_kernels.int4_layout)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(lin(x), lin.reference(x), rtol=1e-5, atol=1e-5)
+    assert lin(x[None]).shape == (1, rows, lin.out_features)  # leading dims kept
+
+
+@needs_kernel
+def test_an_int4_rows_result_does_not_depend_on_the_rows_beside_it():
+    # one row, two or three, and four or more take different paths (codes dequantized in
+    # registers, or once into an L1 buffer): every row's output must be bit-identical
+    lin = _int4_linear(n=11, k=96)
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(11)])
+    for m in (2, 3, 4, 5, 6, 11):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+
+
+@needs_kernel
+def test_the_int4_kernel_refuses_operands_it_cannot_read():
+    lin = _int4_linear()
+    x = torch.randn(2, 96)
+    with pytest.raises(RuntimeError, match="int4_linear"):
+        built.int4_linear(x[:, :80].contiguous(), lin.kweight, lin.kscale)  # K disagrees
+    with pytest.raises(RuntimeError, match="int4_linear"):
+        built.int4_linear(x, lin.kweight, lin.kscale.float())  # not the int32 layout
+
+
+def test_without_the_kernel_int4_uses_torchs_layout_and_kernel(monkeypatch):
+    monkeypatch.setitem(cpu_kernels._state, "module", None)
+    lin = _int4_linear(n=64, k=128, bias=True)  # built now: torch's layout (N % 16 == 0)
+    assert lin.kscale.dtype == torch.bfloat16
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(2))
+    want = lin.reference(x)
+    assert (lin(x) - want).abs().max() <= 0.01 * want.abs().max()
+
+
+@needs_kernel
+def test_under_a_torch_mode_int4_runs_the_reference_path():
+    # labkit's int4 layout has no torch op to fall back on: a mode gets the dequantized matmul
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    lin = _int4_linear()
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(4))
+    with Seen():
+        got = lin(x)
+    assert any("mm" in f for f in seen)  # the matmul was an aten op the mode saw
+    torch.testing.assert_close(got, lin.reference(x))
+    torch.testing.assert_close(lin(x), got, rtol=1e-5, atol=1e-5)  # the kernel, outside it
 
 
 def test_the_kernel_can_be_turned_off(monkeypatch):

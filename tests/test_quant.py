@@ -72,8 +72,10 @@ def test_packed_kernel_layout_holds_the_codes(spec):
     ql = QuantLinear.from_weight(w, QuantScheme.parse(spec))
     got = ql(torch.eye(128)).t()  # [N, K]
     want = ql.dequantized()
-    if spec != "int8" or cpu_kernels.kernels() is None:  # torch's kernels output bf16
-        want = want.bfloat16().float()  # (labkit's int8 kernel sums in fp32: exact here)
+    labkits = cpu_kernels.kernels() is not None and (  # labkit's kernels sum in fp32: exact
+        spec == "int8" or ql.kscale.dtype == torch.int32)  # (int4: cpu_kernels.int4_layout)
+    if not labkits:  # torch's kernels output bf16
+        want = want.bfloat16().float()
     assert torch.equal(got, want), f"{spec}: packed weights differ from the codes"
 
 
