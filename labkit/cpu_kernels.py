@@ -10,6 +10,16 @@ registers, for more it converts three code rows at a time into a buffer that sta
 reuses it for every row; tiles of up to 4 x 3 outputs, 8 lanes at a time; each row's scale is
 applied once, to the finished sum; each thread prefetches its next block of code rows.
 
+**int4_linear**: the same for int4 codes with a bf16 scale and zero per group of K, in
+labkit's layout (`int4_layout`: 16 codes in 8 bytes, so one load, a mask and a shift give two
+vectors of codes; a group's scale and zero in one int32). Each weight is dequantized in
+registers as q s + (z - 8 s), exactly `labkit.quant.dequantize_int4`'s value, then multiplied
+in fp32: no bf16 casts around the call, as torch's int4 kernel needs. One row of x takes 4
+code rows at a time, two or three rows take 2, more rows dequantize 3 code rows into an L1
+buffer and reuse it (measured in a SmolLM2 step against torch's kernel with its casts: 1.1x at
+1 row, 1.3x at 3, 2x at 32). A factored form (the scale applied per group, not per weight)
+did less arithmetic per weight and lost to this one inside the model.
+
 **paged_attention**: each new token attends over its sequence's context by reading the K and V
 pool rows at the context's slots where they lie. The gather-then-SDPA path copies every
 sequence's context into one padded tensor first, each layer (at batch 32, context 256 on
@@ -21,9 +31,9 @@ is a token and a KV head: its G query heads share every K and V row read; scores
 each instead of 3 to 9 dispatched torch ops: at batch 1 a dispatch costs more than the work.
 
 **Batch-invariant by construction.** A row's result never depends on how many other rows share
-its step. In int8_linear each output y[m, n] gets its own accumulator, is summed over k in
-ascending steps of 8 lanes, reduced across lanes in one fixed order, then its tail added,
-whatever the tile shape. In paged_attention each (token, KV head) runs the same code alone.
+its step. In int8_linear and int4_linear each output y[m, n] gets its own accumulator, is summed over
+k in ascending steps of 8 lanes, reduced across lanes in one fixed order, then its tail added,
+whatever the tile shape and whether the weights came from registers or the L1 buffer. In paged_attention each (token, KV head) runs the same code alone.
 The engine's claims need this: the pipelined decoder's zombie rows change a step's row count,
 chunked prefill changes which tokens share a step, and the tokens must not change. An int8
 kernel that switched paths with the row count broke exactly that (measured: see
@@ -776,7 +786,7 @@ def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 
 def kernels():
-    """The compiled module (`int8_linear`, `paged_attention`), or None where it cannot be
+    """The compiled module (`int8_linear`, `int4_linear`, `paged_attention`, ...), or None where it cannot be
     built (or LABKIT_CPU_KERNELS=0 when first asked). Built once per process; later calls
     are a lookup."""
     if "module" in _state:

@@ -11,7 +11,8 @@ buys nothing. So `QuantLinear` runs torch's packed CPU kernels:
   clamping to it would make the grid lopsided). Kernel: `torch._weight_int8pack_mm`.
 - **int4**, asymmetric, one scale and one zero per group of `g` input weights (g = 32/64/128):
   `w ~ (q - 8) * s + z`, q in [0, 15], which is exactly the tinygemm kernel's formula.
-  Kernel: `torch._weight_int4pack_mm_for_cpu` on `torch._convert_weight_to_int4pack_for_cpu`.
+  Kernel: labkit's `int4_linear` (below), else `torch._weight_int4pack_mm_for_cpu` on
+  `torch._convert_weight_to_int4pack_for_cpu` (on CUDA, tinygemm).
 - Both round to nearest (RTN). **AWQ-style** scaling goes further: before rounding, multiply the
   input channels that large activations hit by a factor s (so they get finer steps) and divide
   the layer's input by s, folded into the RMSNorm weight or the previous projection so that it
@@ -19,12 +20,14 @@ buys nothing. So `QuantLinear` runs torch's packed CPU kernels:
 
 torch's CPU kernels take **bf16 activations** (fp32 activations send int8 to a slow path), so
 on them a QuantLinear casts its input to bf16 and its output back. On the CPU with fp32
-activations, int8 runs labkit's own kernel instead (`labkit.cpu_kernels.int8_linear`, where it
-builds): it reads the same codes, turns them into fp32 in registers (or, for many rows, a few
-code rows at a time in L1), applies each row's scale once, and gives a row the same result
-whatever rows share its call (batch-invariant). Three int4 kernels written the same way did
-not beat torch's at batch 1 (results/cpu-quiet-2026-12-01b.md), so int4 stays on it.
-Scales and zeros are rounded to bf16 when quantizing, so the kernel and the dequantize
+activations, labkit's own kernels serve instead (`labkit.cpu_kernels.int8_linear` and
+`int4_linear`, where they build): they read the codes, turn them into fp32 in registers (or,
+for many rows, a few code rows at a time into L1), and give a row the same result whatever
+rows share its call (batch-invariant). int8 applies each row's scale once, to the finished
+sum; int4 dequantizes each weight as `q * s + (z - 8 s)`, the very value `dequantize_int4`
+gives, from its own layout (`cpu_kernels.int4_layout`: 16 codes in 8 bytes, a group's bf16
+scale and zero in one int32). Measured in a SmolLM2 int4 decode step at batch 1, 3 and 32:
+1.1x, 1.3x and 2x faster than torch's int4 kernel with its casts (results/). Scales and zeros are rounded to bf16 when quantizing, so the kernel and the dequantize
 reference (`QuantLinear.reference`) compute with the very same numbers. The tied embedding/LM
 head: the head is quantized like any linear; the embedding lookup keeps the exact fp32 rows (it
 reads one row per token, not the matrix).
@@ -178,11 +181,12 @@ def int4_group_for(k: int, group_size: int) -> int:
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T (+ b) with W stored in int8 or int4, on torch's packed kernels.
+    """y = x W^T (+ b) with W stored in int8 or int4, on packed kernels (labkit's or torch's).
 
     Persistent buffers hold the canonical codes (what the cache stores): int8 `qweight`
     [N, K] and `scale` [N]; int4 `qweight` [N, K/2] (pack_int4), `scale`, `zero` [N, K/g].
-    The kernel's own layout (`kweight`, `kscale`) is derived from them and not stored.
+    The kernel's own layout (`kweight`, `kscale`) is derived from them and not stored: for int4
+    on the CPU, labkit's (`kscale` int32) where `cpu_kernels.int4_fits`, else torch's (bf16).
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme,
