@@ -197,6 +197,7 @@ class QuantLinear(nn.Module):
                            if scheme.bits == 4 else None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
                                                            requires_grad=False)
+        self._labkit_kernel: str | None = None  # set with the codes (_build_kernel_layout)
 
     @classmethod
     def from_weight(cls, w: torch.Tensor, scheme: QuantScheme,
@@ -240,8 +241,11 @@ class QuantLinear(nn.Module):
 
     def _build_kernel_layout(self) -> None:
         dev = self.qweight.device
+        # which of labkit's CPU kernels serves this linear (where `usable`), else None: torch's
+        self._labkit_kernel = None
         if self.scheme.bits == 8:
             kw, ks = self.qweight, self.scale.to(torch.bfloat16)
+            self._labkit_kernel = "int8_linear"
         elif dev.type == "cuda":  # tinygemm: uint8 [N, K/2] in, its own tiled layout out
             codes = unpack_int4(self.qweight)  # [N, K]
             kw = torch.ops.aten._convert_weight_to_int4pack(pack_int4_hi_first(codes), 8)
@@ -249,6 +253,7 @@ class QuantLinear(nn.Module):
         elif cpu_kernels.int4_fits(self.in_features, self.group_size, self.scale, self.zero):
             # labkit's int4 kernel (labkit.cpu_kernels): fp32 activations, no casts
             kw, ks = cpu_kernels.int4_layout(unpack_int4(self.qweight), self.scale, self.zero)
+            self._labkit_kernel = "int4_linear"
         else:
             codes = unpack_int4(self.qweight).to(torch.int32)  # [N, K]
             kw = torch._convert_weight_to_int4pack_for_cpu(codes, 1)  # [N, K/2], blocked
@@ -275,26 +280,21 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
-        if self.scheme.bits == 8:
-            mod = usable(x)  # labkit's int8 kernel (labkit.cpu_kernels), where it serves
+        # (a decode step makes ~120 of these calls, where a few microseconds of Python each add
+        # up: the kernel's name is a plain attribute, the reshapes skipped for 2-D input)
+        labkits = self._labkit_kernel
+        if labkits is not None:
+            mod = usable(x)  # labkit's kernel (labkit.cpu_kernels), where it serves
             if mod is not None:
                 x2 = x if x.dim() == 2 and x.is_contiguous() else (
                     x.reshape(-1, self.in_features).contiguous())  # [M, K]
-                y = mod.int8_linear(x2, self.qweight, self.scale)  # [M, N]
+                y = (mod.int8_linear(x2, self.qweight, self.scale) if labkits == "int8_linear"
+                     else mod.int4_linear(x2, self.kweight, self.kscale))  # [M, N]
                 y = y if self.bias is None else y + self.bias
                 return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-        elif self.kscale.dtype == torch.int32:  # labkit's int4 layout (cpu_kernels.int4_layout)
-            mod = usable(x)
-            if mod is None:  # a torch mode is on: its ops must see aten, so the reference
-                return self.reference(x)
-            x2 = x if x.dim() == 2 and x.is_contiguous() else (
-                x.reshape(-1, self.in_features).contiguous())  # [M, K]
-            y = mod.int4_linear(x2, self.kweight, self.kscale)  # [M, N]
-            y = y if self.bias is None else y + self.bias
-            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+            if labkits == "int4_linear":  # a torch mode is on, which must see aten ops, and
+                return self.reference(x)  # labkit's int4 layout has none: the reference
         # torch's packed kernels take bf16 rows
-        # (a step makes ~120 of these calls at a few microseconds of dispatch per op: the
-        # reshapes are skipped for the usual 2-D input)
         lead = x.shape[:-1]
         xb = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(torch.bfloat16)  # [M, K]
         if self.scheme.bits == 8:
