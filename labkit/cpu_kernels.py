@@ -194,8 +194,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor s) {
 // byte j holding k = 16b + j in its low nibble and k = 16b + 8 + j in its high one (so one
 // 8-byte load and a widen give two vectors of 8 lanes: the mask is the low k, a shift the high).
 // sz [N, K/G] int32: a group's bf16 scale in the low half, its bf16 zero in the high half.
-// A weight is w = (q - 8) s + z, computed as q s + (z - 8 s): q s is exact (4 bits times 8),
-// so this rounds once, to the same fp32 value as labkit.quant.dequantize_int4.
+// A weight is w = (q - 8) s + z, computed as q s + (z - 8 s) in one multiply-add: q s is exact
+// (4 bits times bf16's 8), and so is z - 8 s for bf16 values within 2^15 of each other, so it
+// rounds once, to dequantize_int4's fp32 value (tests/test_quant.py reads the weights back).
 static inline void group_sb(uint32_t u, float* s, float* b) {
   const uint32_t sb = u << 16, zb = u & 0xFFFF0000u;
   float sf, zf;
@@ -296,9 +297,10 @@ static void rows4(const float* x, int64_t M, int64_t K, int64_t G, const uint8_t
 }
 
 // y [M, N] = x [M, K] (fp32, contiguous) times int4 codes [N, K/2] (the layout above) with
-// group scales and zeros sz [N, K/G]. One to three rows of x dequantize the codes in registers,
-// 4 code rows at a time; more rows dequantize 3 code rows into an fp32 buffer that stays in L1
-// and reuse it for every row, in tiles of up to 4 x 3. Both give every output the same sums.
+// group scales and zeros sz [N, K/G]. One to three rows of x dequantize the codes in registers
+// (one row: 4 code rows at a time; two or three: 2, or their accumulators spill); more rows
+// dequantize 3 code rows into an fp32 buffer that stays in L1 and reuse it for every row, in
+// tiles of up to 4 x 3. Both give every output the same sums.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sz) {
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   TORCH_CHECK(K % 16 == 0 && codes.size(1) == K / 2 && sz.size(0) == N && sz.size(1) > 0 &&
