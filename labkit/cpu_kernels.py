@@ -31,10 +31,11 @@ is a token and a KV head: its G query heads share every K and V row read; scores
 each instead of 3 to 9 dispatched torch ops: at batch 1 a dispatch costs more than the work.
 
 **Batch-invariant by construction.** A row's result never depends on how many other rows share
-its step. In int8_linear and int4_linear each output y[m, n] gets its own accumulator, is summed over
-k in ascending steps of 8 lanes, reduced across lanes in one fixed order, then its tail added,
-whatever the tile shape and whether the weights came from registers or the L1 buffer. In paged_attention each (token, KV head) runs the same code alone.
-The engine's claims need this: the pipelined decoder's zombie rows change a step's row count,
+its step. In int8_linear and int4_linear each output y[m, n] gets its own accumulator, is
+summed over k in ascending steps of 8 lanes, reduced across lanes in one fixed order, then its
+tail added, whatever the tile shape and whether the weights came from registers or the L1
+buffer. In paged_attention each (token, KV head) runs the same code alone. The engine's claims
+need this: the pipelined decoder's zombie rows change a step's row count,
 chunked prefill changes which tokens share a step, and the tokens must not change. An int8
 kernel that switched paths with the row count broke exactly that (measured: see
 results/cpu-quiet-2026-12-01.md).
@@ -217,7 +218,8 @@ static void dequant_rows(const uint8_t* c, const uint32_t* sz, int64_t K, int64_
       for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
         const uint8_t* p = c + j * (K / 2) + k / 2;
 #ifdef __AVX2__
-        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        const __m256i v =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
         const __m256 sv = _mm256_set1_ps(s), bv = _mm256_set1_ps(b);
         _mm256_storeu_ps(w + j * K + k, _mm256_fmadd_ps(
             _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), sv, bv));
@@ -792,9 +794,9 @@ def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 
 def kernels():
-    """The compiled module (`int8_linear`, `int4_linear`, `paged_attention`, ...), or None where it cannot be
-    built (or LABKIT_CPU_KERNELS=0 when first asked). Built once per process; later calls
-    are a lookup."""
+    """The compiled module (`int8_linear`, `int4_linear`, `paged_attention`, ...), or None
+    where it cannot be built (or LABKIT_CPU_KERNELS=0 when first asked). Built once per
+    process; later calls are a lookup."""
     if "module" in _state:
         return _state["module"]
     with _lock:
@@ -821,8 +823,8 @@ def _build():
         # -ffp-contract=off: no FMA the source did not write, so a scalar tail sums the same
         # way in every template instance (the batch invariance above depends on it)
         return load_inline(name, cpp_sources=_SOURCE,
-                           functions=["int8_linear", "int4_linear", "paged_attention", "rms_norm", "rope",
-                                      "silu_mul"],
+                           functions=["int8_linear", "int4_linear", "paged_attention",
+                                      "rms_norm", "rope", "silu_mul"],
                            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
     except Exception as err:  # no working compiler: torch's kernel serves instead

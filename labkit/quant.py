@@ -27,10 +27,11 @@ rows share its call (batch-invariant). int8 applies each row's scale once, to th
 sum; int4 dequantizes each weight as `q * s + (z - 8 s)`, the very value `dequantize_int4`
 gives, from its own layout (`cpu_kernels.int4_layout`: 16 codes in 8 bytes, a group's bf16
 scale and zero in one int32). Measured in a SmolLM2 int4 decode step at batch 1, 3 and 32:
-1.1x, 1.3x and 2x faster than torch's int4 kernel with its casts (results/). Scales and zeros are rounded to bf16 when quantizing, so the kernel and the dequantize
-reference (`QuantLinear.reference`) compute with the very same numbers. The tied embedding/LM
-head: the head is quantized like any linear; the embedding lookup keeps the exact fp32 rows (it
-reads one row per token, not the matrix).
+1.1x, 1.3x and 2x faster than torch's int4 kernel with its casts (results/). Scales and zeros
+are rounded to bf16 when quantizing, so the kernel and the dequantize reference
+(`QuantLinear.reference`) compute with the very same numbers. The tied embedding/LM head: the
+head is quantized like any linear; the embedding lookup keeps the exact fp32 rows (it reads one
+row per token, not the matrix).
 """
 
 from __future__ import annotations
