@@ -168,6 +168,13 @@ def _generate(args) -> int:
             print()
         else:
             print(f"--- [{o.index}] ({o.finish_reason})\n{o.text}")
+    at_once = [o.index for o, r in zip(outs, requests)
+               if o.finish_reason == "stop" and not o.text.strip() and not r["chat"]]
+    if at_once:  # a learner's first run must not end in silence
+        print(f"[labkit] request {', '.join(map(str, at_once))} ended at once: the first token "
+              "was end-of-sequence. An instruct model (SmolLM2-Instruct is one) answers a bare "
+              "question that way; use --chat for its chat template, or give a text to "
+              "continue (\"The sky is blue because\").", file=sys.stderr)
     n_tok = sum(len(o.output_ids) for o in outs)
     ttft = sorted(o.ttft_s for o in outs)[len(outs) // 2]
     print(f"[labkit] {len(outs)} requests, {n_tok} tokens in {gen_s:.2f} s "

@@ -85,6 +85,17 @@ def test_greedy_by_default_so_the_same_output_twice_whatever_the_seed():
 
 
 @pytest.mark.slow
+def test_a_bare_question_to_the_instruct_model_says_to_use_chat():
+    # SmolLM2-Instruct ends a bare question at once: a first run must not end in silence
+    bare = labkit("generate", "--max-new-tokens", "8", "Why is the sky blue?")
+    assert bare.returncode == 0, bare.stderr
+    assert "ended at once" in bare.stderr and "--chat" in bare.stderr
+    chat = labkit("generate", "--chat", "--max-new-tokens", "8", "Why is the sky blue?")
+    assert chat.returncode == 0 and chat.stdout.strip()  # an answer, and no hint
+    assert "ended at once" not in chat.stderr
+
+
+@pytest.mark.slow
 def test_chat_on_the_real_model(tmp_path, tok):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"prompt": "The capital of France is", "chat": False,
