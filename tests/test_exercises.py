@@ -36,3 +36,15 @@ def test_every_stub_has_a_grader():
         for name, fn in inspect.getmembers(mod, inspect.isfunction):
             if fn.__module__ == mod.__name__ and not name.startswith("_"):
                 assert name in check.EXERCISES, f"{path}::{name} has no grader in labkit/check.py"
+
+
+def test_the_readme_names_every_exercise_file():
+    # a learner finds the exercises from the README's list: it must not miss a chapter
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    files = sorted(p.name for p in (root / "exercises").glob("ch*.py"))
+    assert len(files) >= 9
+    missing = [f for f in files if f"`{f}`" not in readme]
+    assert not missing, f"README's exercise list misses {missing}"
