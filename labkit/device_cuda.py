@@ -32,6 +32,7 @@ import torch
 
 from labkit.attention import AttentionMeta
 from labkit.device import NUM_SLOTS, Device
+from labkit.quant import relayout
 from labkit.runner import ModelRunner, StepPlan
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,7 @@ class CudaDevice(Device):
         dev = torch.device("cuda")
         self.name = torch.cuda.get_device_name(dev)
         model = copy.deepcopy(model).to(dev)  # the caller's CPU model stays as it was
+        relayout(model)  # quantized linears: the CUDA kernels' layout, not the CPU's
         # the runner adds the scratch page padded graph rows write into
         self.runner = ModelRunner(model, num_blocks, block_size, max_seqs, cache, dev,
                                   attention)

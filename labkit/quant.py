@@ -293,8 +293,8 @@ class QuantLinear(nn.Module):
                      else mod.int4_linear(x2, self.kweight, self.kscale))  # [M, N]
                 y = y if self.bias is None else y + self.bias
                 return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-            if labkits == "int4_linear":  # a torch mode is on, which must see aten ops, and
-                return self.reference(x)  # labkit's int4 layout has none: the reference
+            if labkits == "int4_linear":  # a torch mode is on (it must see aten ops) or x is
+                return self.reference(x)  # not fp32 CPU: labkit's int4 layout has no torch op
         # torch's packed kernels take bf16 rows
         lead = x.shape[:-1]
         xb = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(torch.bfloat16)  # [M, K]
@@ -391,6 +391,16 @@ def load_quantized(model: nn.Module, scheme: QuantScheme, state: dict[str, torch
     norms = {k: v for k, v in state.items() if k.endswith("norm")}
     model.load_state_dict(norms, strict=False)  # AWQ folds its scales into the norms
     return model.eval().requires_grad_(False)
+
+
+def relayout(model: nn.Module) -> nn.Module:
+    """Rebuild every QuantLinear's kernel layout for the device its codes are on now: after
+    `model.to(device)`, which moves the CPU kernel's layout but cannot convert it (on CUDA,
+    tinygemm's layout; on the CPU, labkit's or torch's). Returns the model."""
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod._build_kernel_layout()
+    return model
 
 
 def weight_bytes(model: nn.Module) -> int:

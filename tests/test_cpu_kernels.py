@@ -111,6 +111,22 @@ def test_without_the_kernel_int4_uses_torchs_layout_and_kernel(monkeypatch):
 
 
 @needs_kernel
+def test_relayout_derives_the_layout_again_for_where_the_codes_are(monkeypatch):
+    # after model.to(device) the layout must be rebuilt (the CUDA device does it): here, the
+    # same codes go from labkit's layout to torch's when labkit's kernel stops being there
+    from labkit.quant import relayout
+
+    lin = _int4_linear(n=64, k=128)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(5))
+    assert lin.kscale.dtype == torch.int32
+    monkeypatch.setitem(cpu_kernels._state, "module", None)
+    assert relayout(torch.nn.Sequential(lin))[0] is lin
+    assert lin.kscale.dtype == torch.bfloat16 and lin._labkit_kernel is None
+    want = lin.reference(x)
+    assert (lin(x) - want).abs().max() <= 0.01 * want.abs().max()
+
+
+@needs_kernel
 def test_under_a_torch_mode_int4_runs_the_reference_path():
     # labkit's int4 layout has no torch op to fall back on: a mode gets the dequantized matmul
     from torch.utils._python_dispatch import TorchDispatchMode
