@@ -46,7 +46,9 @@ from torch import nn
 from labkit import cpu_kernels
 from labkit.cpu_kernels import usable
 
-QUANT_VERSION = 1  # bump when the quantized format changes: cached entries go stale
+QUANT_VERSION = 2  # bump when the quantized format changes or old entries may be wrong
+# (2: version 1 wrote a cached AWQ entry's norms into the fp32 tensors every model of the file
+# shares in a process, so entries built after that in the same process were built on AWQ's norms)
 INT4_GROUPS = (32, 64, 128)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -388,8 +390,19 @@ def load_quantized(model: nn.Module, scheme: QuantScheme, state: dict[str, torch
         parent, attr = (model, "lm_head") if name == "lm_head" else (
             model.layers[int(name.split(".")[1])], name.split(".")[2])
         setattr(parent, attr, ql)
-    norms = {k: v for k, v in state.items() if k.endswith("norm")}
-    model.load_state_dict(norms, strict=False)  # AWQ folds its scales into the norms
+    # AWQ folds its scales into the norms. Replace them, never copy into them: the fp32 model
+    # this one was built on shares its tensors with every other model of the same file in
+    # this process (load_state_dict would have written AWQ's norms into all of them)
+    for key, value in state.items():
+        if key.endswith("norm"):
+            parent, _, attr = key.rpartition(".")
+            mod = model.get_submodule(parent)
+            old = getattr(mod, attr)
+            if old.shape != value.shape:
+                raise ValueError(f"cached {key} has shape {tuple(value.shape)}, the model "
+                                 f"{tuple(old.shape)}: a stale or foreign cache entry")
+            setattr(mod, attr, nn.Parameter(value.to(old.dtype, copy=True),
+                                            requires_grad=False))
     return model.eval().requires_grad_(False)
 
 

@@ -166,6 +166,33 @@ def test_fused_projections_give_the_same_logits(spec):
         quantize_model(model, spec)
 
 
+def test_loading_awq_from_the_cache_leaves_models_that_share_its_weights_alone():
+    # load_model's fp32 models of one file share tensors; a cached AWQ entry carries folded
+    # norms, and writing them into the shared ones once turned fp32 (and every scheme built
+    # after) into a different model: bench quant scored fp32 at NLL 3.33 instead of 2.57
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(9))
+    fp32 = tiny_model()
+    want = logits(fp32, ids)
+    state = quantized_state(quantize_awq(tiny_model(), QuantScheme.parse("int4-g32-awq"), ids))
+    shared = LlamaModel(fp32.cfg)
+    shared.load_state_dict(fp32.state_dict(), assign=True)  # the same tensors, as load_model
+    assert shared.layers[0].input_norm.data_ptr() == fp32.layers[0].input_norm.data_ptr()
+    awq = load_quantized(shared, QuantScheme.parse("int4-g32-awq"), state)
+    assert not torch.equal(awq.layers[0].input_norm, fp32.layers[0].input_norm)
+    assert torch.equal(logits(fp32, ids), want), "loading AWQ rewrote the fp32 model's norms"
+
+
+def test_the_real_fp32_model_survives_loading_every_scheme(smollm2):
+    # end to end through the cache: the AWQ entry read back (the second load) must leave the
+    # session's fp32 model as it was, and int4 built after it must still be plain RTN
+    model, tok = smollm2
+    ids = torch.tensor(tok.encode("The memory wall: decode reads every weight each step."))
+    want = logits(model, ids)
+    for spec in ("int4-g32-awq", "int4-g32-awq", "int4-g32"):
+        load_model("smollm2-135m", quant=spec)
+    assert torch.equal(logits(model, ids), want), "a quantized load changed the fp32 model"
+
+
 @pytest.mark.parametrize("spec", ["int8", "int4"])
 def test_quantized_engine_gives_the_same_tokens_on_both_decoders(spec):
     from labkit import Engine
