@@ -69,11 +69,13 @@ def test_a_step_over_its_floor_moves_with_the_memory_measured_beside_it():
     floor = step_cost(model.cfg, 1, 64, "decode", "fp32", "fp32", hw).floor_s
     pairs._probe = lambda: hw.bandwidth  # memory as fast as the ceiling: the ceiling's floor
     assert pairs() == pytest.approx(0.010 / floor)
-    pairs._probe = lambda: 2 * hw.bandwidth  # faster than the ceiling: never a lower floor
-    assert pairs() == pytest.approx(0.010 / floor)
+    pairs._probe = lambda: 2 * hw.bandwidth  # faster than a stale ceiling: the floor halves
+    assert pairs() == pytest.approx(0.010 / step_cost(
+        model.cfg, 1, 64, "decode", "fp32", "fp32",
+        __import__("dataclasses").replace(hw, bandwidth=2 * hw.bandwidth)).floor_s)
     pairs._probe = lambda: hw.bandwidth / 4  # memory 4x slower now: the floor 4x higher
     slow = step_cost(model.cfg, 1, 64, "decode", "fp32", "fp32",
                      __import__("dataclasses").replace(hw, bandwidth=hw.bandwidth / 4)).floor_s
     assert slow > 3.5 * floor
     assert pairs() == pytest.approx(0.010 / slow)
-    assert pairs.bandwidths == [hw.bandwidth, hw.bandwidth, hw.bandwidth / 4]
+    assert pairs.bandwidths == [hw.bandwidth, 2 * hw.bandwidth, hw.bandwidth / 4]

@@ -184,9 +184,30 @@ def test_measure_ceilings_cpu_is_bounded_positive_and_cached(fresh_cache, monkey
     files = list(fresh_cache.glob("ceilings-cpu-*.json"))
     assert len(files) == 1
     ceilings._CEILINGS.clear()
+    monkeypatch.setattr(ceilings, "_quick_bandwidth", lambda dev: hw.bandwidth)  # as cached
     t0 = time.perf_counter()
     again = ceilings.measure_ceilings("cpu", budget_s=1.0)  # from disk, not measured again
     assert time.perf_counter() - t0 < 0.5 and again == hw
+
+
+def test_a_cached_ceiling_the_memory_now_beats_is_measured_again(fresh_cache, monkeypatch):
+    # a ceiling cached while a neighbour held the memory: later copies run clearly faster
+    monkeypatch.setattr(claims, "busy_elsewhere", lambda since: 0.0)
+    hw = ceilings.measure_ceilings("cpu", dtypes=("fp32",), budget_s=0.5)
+    (path,) = fresh_cache.glob("ceilings-cpu-*.json")
+    stale = json.loads(path.read_text()) | {"bandwidth": hw.bandwidth / 3}
+    path.write_text(json.dumps(stale))
+    ceilings._CEILINGS.clear()
+    real = ceilings._quick_bandwidth(torch.device("cpu"))
+    assert real > ceilings.STALE_BANDWIDTH * stale["bandwidth"], "the probe sees the memory"
+    again = ceilings.measure_ceilings("cpu", dtypes=("fp32",), budget_s=0.5)
+    assert again.bandwidth > ceilings.STALE_BANDWIDTH * stale["bandwidth"]
+    assert json.loads(path.read_text())["bandwidth"] == again.bandwidth  # the file, replaced
+    # one that holds: kept, not measured again
+    ceilings._CEILINGS.clear()
+    monkeypatch.setattr(ceilings, "_quick_bandwidth", lambda dev: again.bandwidth)
+    monkeypatch.setattr(ceilings, "_measure_bandwidth", lambda *a: pytest.fail("re-measured"))
+    assert ceilings.measure_ceilings("cpu", dtypes=("fp32",), budget_s=0.5) == again
 
 
 def test_a_busy_machine_is_labelled_and_not_cached(fresh_cache, monkeypatch):
