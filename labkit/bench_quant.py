@@ -90,6 +90,7 @@ def bench_quant(model_name: str = "smollm2-135m", schemes: list[str] | None = No
     """Rows {quant, batch, weight_bytes, step_ms, speedup_vs_fp32, tok_s_single_stream, nll,
     nll_delta_pct, predicted_speedup} for fp32 and each scheme."""
     import labkit
+    from labkit.ceilings import device_name
     from labkit.loading import load_model
     from labkit.perplexity import default_text, nll
     from labkit.quant import QuantScheme, weight_bytes
@@ -142,6 +143,10 @@ def bench_quant(model_name: str = "smollm2-135m", schemes: list[str] | None = No
                 "decode_speedup_vs_fp32": _ratios(tpots["none"], tpots[n]),
                 "nll": nlls[n], "nll_delta_pct": 100 * (nlls[n] / nlls["none"] - 1),
                 "model": model_name, "threads": torch.get_num_threads(), "fused": fuse,
+                # the gain depends on the CPU's vector unit: AVX-512 speeds up torch's fp32
+                # matmuls, not labkit's int kernels (results/cpu-avx512-2026-12-02.md)
+                "cpu": device_name(torch.device("cpu")),
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                 "rounds": rounds, "nll_tokens": len(ids) - 1})
     return rows
 
@@ -187,7 +192,8 @@ def _table(rows: list[dict], rounds: int) -> None:
               f"{r['tok_s_single_stream']:>8.1f} {r['gen_speedup_vs_fp32']:>5.2f}x "
               f"{r['tok_s_decode']:>7.1f} {r['decode_speedup_vs_fp32']:>5.2f}x "
               f"{r['nll']:>7.4f} {r['nll_delta_pct']:>+7.2f}")
-    print(f"{rows[0]['model']}, {rows[0]['threads']} torch threads, "
+    print(f"{rows[0]['model']} on {rows[0]['cpu']} ({rows[0]['cpu_capability']}), "
+          f"{rows[0]['threads']} torch threads, "
           f"{'fused' if rows[0]['fused'] else 'separate'} q/k/v and gate/up; speedups are "
           f"medians over {rounds} rounds of turn-against-turn ratios; predicted = fp32 "
           "weight bytes / the scheme's (a step made only of weight reads)")

@@ -40,7 +40,7 @@ _CEILINGS: dict[str, Hardware] = {}  # in-process cache, keyed like the files on
 _CEILINGS_VERSION = 1  # bump when the measurement changes: cached files go stale
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     """The CPU model or GPU name, for the cache key and the sources."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -189,7 +189,7 @@ def measure_ceilings(device: str | torch.device = "cpu", dtypes: Sequence[str] |
         if dt not in TORCH_DTYPES or (dt == "tf32" and dev.type != "cuda"):
             raise ValueError(f"measure_ceilings: cannot measure {dt!r} on {dev.type}")
     # the numbers depend on the chip, the thread count and the library versions
-    ident = json.dumps([_CEILINGS_VERSION, dev.type, _device_name(dev), torch.get_num_threads(),
+    ident = json.dumps([_CEILINGS_VERSION, dev.type, device_name(dev), torch.get_num_threads(),
                         torch.__version__, dtypes, budget_s])
     key = f"ceilings-{dev.type}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
     path = cache_dir() / f"{key}.json"
@@ -222,8 +222,8 @@ def measure_ceilings(device: str | torch.device = "cpu", dtypes: Sequence[str] |
     busy = claims.busy_elsewhere(start)
     busy = busy if busy > 0.25 else 0.0  # a quarter core: background noise
     memory, mem_source = _memory_size(dev)
-    where = (f"{_device_name(dev)}, torch {torch.__version__}, {torch.get_num_threads()} "
-             f"threads" if dev.type == "cpu" else f"{_device_name(dev)}, CUDA events")
+    where = (f"{device_name(dev)}, torch {torch.__version__}, {torch.get_num_threads()} "
+             f"threads" if dev.type == "cpu" else f"{device_name(dev)}, CUDA events")
     note = f" [other processes kept {busy:.1f} cores busy: low numbers, not cached]" if busy \
         else ""
 

@@ -284,3 +284,4 @@ def test_generate_and_bench_quant_take_the_flag(capsys):
     for row in rows:  # decode alone (after the first token) beside the whole request
         assert row["tok_s_decode"] > 0 and row["decode_speedup_vs_fp32"] > 0
     assert rows[0]["decode_speedup_vs_fp32"] == 1.0  # fp32 against itself, turn by turn
+    assert rows[0]["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and rows[0]["cpu"]
