@@ -85,21 +85,42 @@ def _best_of(fn: Callable[[], object], device: torch.device, budget_s: float, in
     return best, reps
 
 
+class _CopyProbe:
+    """The bandwidth ceiling's measurement: a large copy into a preallocated buffer, counted as
+    (bytes read + bytes written) / time. The ceiling, its staleness check and the probe beside
+    each decode step (`StepOverFloor`) all time this one copy, so their numbers compare."""
+
+    def __init__(self, device: torch.device):
+        # the buffers must dwarf the last-level cache (32 MiB on this course's CPUs, 50 MiB L2
+        # on an H100); both are allocated and touched before timing: a fresh allocation
+        # (clone()) would time the page faults of new memory, not the memory itself
+        self.device = device
+        self.mib = 1024 if device.type == "cuda" else 128
+        self.src = torch.empty(self.mib * 2**20 // 4, dtype=torch.float32,
+                               device=device).fill_(1.0)
+        self.dst = torch.empty_like(self.src).fill_(0.0)
+        self.copy()  # warm-up
+        _sync(device)
+
+    def copy(self) -> None:
+        self.dst.copy_(self.src)
+
+    def rate(self, seconds: float) -> float:
+        """Bytes/s of one copy that took `seconds`: it read and wrote the buffer once each."""
+        return 2 * self.src.numel() * 4 / seconds
+
+    def once(self) -> float:
+        """Bytes/s of one timed copy, now."""
+        return self.rate(_timed(self.copy, self.device))
+
+
 def _measure_bandwidth(device: torch.device, budget_s: float) -> tuple[float, str]:
     """Bytes/s of a large copy into a preallocated buffer: (bytes read + written) / time."""
-    # the buffers must dwarf the last-level cache (32 MiB on this course's CPUs, 50 MiB L2 on
-    # an H100); both are allocated and touched before timing: a fresh allocation (clone())
-    # would time the page faults of new memory, not the memory itself
-    mib = 1024 if device.type == "cuda" else 128
-    n = mib * 2**20 // 4  # fp32 elements
-    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src).fill_(0.0)
-    dst.copy_(src)  # warm-up
-    _sync(device)
-    seconds, reps = _best_of(lambda: dst.copy_(src), device, budget_s)
-    source = (f"measured: copy of {mib} MiB into a preallocated buffer, (bytes read + bytes "
-              f"written) / time, best of {reps}")
-    return 2 * n * 4 / seconds, source  # read n*4 bytes, write n*4 bytes
+    probe = _CopyProbe(device)
+    seconds, reps = _best_of(probe.copy, device, budget_s)
+    source = (f"measured: copy of {probe.mib} MiB into a preallocated buffer, (bytes read + "
+              f"bytes written) / time, best of {reps}")
+    return probe.rate(seconds), source
 
 
 STALE_BANDWIDTH = 1.15  # a quick copy this much faster than the cached ceiling: measure again
@@ -107,12 +128,8 @@ STALE_BANDWIDTH = 1.15  # a quick copy this much faster than the cached ceiling:
 
 def _quick_bandwidth(device: torch.device) -> float:
     """The ceiling's copy, best of three: the cached ceiling's sanity check."""
-    mib = 1024 if device.type == "cuda" else 128
-    src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src).fill_(0.0)
-    dst.copy_(src)  # warm-up
-    seconds = min(_timed(lambda: dst.copy_(src), device) for _ in range(3))
-    return 2 * src.numel() * 4 / seconds
+    probe = _CopyProbe(device)
+    return max(probe.once() for _ in range(3))
 
 
 def _matmul_call(n: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator
@@ -319,15 +336,12 @@ class StepOverFloor:
         self.hw = hw
         self.device = next(model.parameters()).device
         self.step = lambda: measure_decode_step(model, batch, context_len, repeats=1)
-        mib = 1024 if self.device.type == "cuda" else 128
-        self.src = torch.empty(mib * 2**20 // 4, device=self.device).fill_(1.0)
-        self.dst = torch.empty_like(self.src).fill_(0.0)
+        self.copy_probe = _CopyProbe(self.device)
         self.calls = 0
         self.bandwidths: list[float] = []  # bytes/s of each pair's probe
 
     def _probe(self) -> float:
-        seconds = _timed(lambda: self.dst.copy_(self.src), self.device)
-        return 2 * self.src.numel() * 4 / seconds  # bytes read + written, as the ceiling
+        return self.copy_probe.once()  # bytes read + written, as the ceiling
 
     def __call__(self) -> float:
         """step seconds / floor seconds at this pair's bandwidth."""

@@ -1,5 +1,6 @@
 """labkit.claims: a timing claim holds within its band and fails, with a message, outside it."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -72,10 +73,10 @@ def test_a_step_over_its_floor_moves_with_the_memory_measured_beside_it():
     pairs._probe = lambda: 2 * hw.bandwidth  # faster than a stale ceiling: the floor halves
     assert pairs() == pytest.approx(0.010 / step_cost(
         model.cfg, 1, 64, "decode", "fp32", "fp32",
-        __import__("dataclasses").replace(hw, bandwidth=2 * hw.bandwidth)).floor_s)
+        dataclasses.replace(hw, bandwidth=2 * hw.bandwidth)).floor_s)
     pairs._probe = lambda: hw.bandwidth / 4  # memory 4x slower now: the floor 4x higher
     slow = step_cost(model.cfg, 1, 64, "decode", "fp32", "fp32",
-                     __import__("dataclasses").replace(hw, bandwidth=hw.bandwidth / 4)).floor_s
+                     dataclasses.replace(hw, bandwidth=hw.bandwidth / 4)).floor_s
     assert slow > 3.5 * floor
     assert pairs() == pytest.approx(0.010 / slow)
     assert pairs.bandwidths == [hw.bandwidth, 2 * hw.bandwidth, hw.bandwidth / 4]
