@@ -139,6 +139,36 @@ def serve_once(model, tok, requests, *, batching: str, max_step_tokens: int | No
     return summarize(lat, wall, slo).row()
 
 
+def engine_step_s(model, *, batch: int = 4, steps: int = 32, repeats: int = 3) -> float:
+    """Median seconds per launch of an engine running `batch` sequences for `steps` tokens each
+    (prefill launches included, as in any run): the unit a load is set against.
+
+    An arrival rate loads an engine only relative to its step: 16 requests/s keeps a CPU's
+    SmolLM2 busy and leaves the tiny model idle. `rate = 1 / (k * engine_step_s(model))` brings
+    one request every k steps on whatever machine runs it."""
+    from labkit.decoders import run
+    from labkit.engine import Engine
+    from labkit.sampling import SamplingParams
+
+    if batch < 1 or steps < 1 or repeats < 1:
+        raise ValueError(f"batch, steps and repeats must be >= 1, got {batch}, {steps}, "
+                         f"{repeats}")
+    times = []
+    for _ in range(repeats):
+        engine = Engine(model, None, max_seqs=batch, max_step_tokens=None)
+        try:
+            for i in range(batch):
+                engine.submit(list(range(100 + i, 120 + i)),
+                              SamplingParams(max_new_tokens=steps, ignore_eos=True))
+            t0 = time.perf_counter()
+            run(engine, "pipelined")
+            times.append((time.perf_counter() - t0) / engine.stats.steps)
+            engine.check_all_released()
+        finally:
+            engine.close()
+    return statistics.median(times)
+
+
 def serve_url(args: argparse.Namespace, log=print) -> list[dict]:
     """The workload of each rate over HTTP to `args.endpoint`, `args.rounds` alternating turns;
     median rows (the same fields as an in-process run's)."""

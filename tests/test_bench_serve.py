@@ -1,5 +1,7 @@
 """`bench serve`: argument checks, and a short run of every setting on the tiny model."""
 
+import time
+
 import pytest
 
 from labkit import bench_serve
@@ -35,3 +37,28 @@ def test_tiny_run_writes_one_row_per_setting(capsys):
         assert r["throughput_tok_s"] > 0 and 0 <= r["goodput"] <= 1
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"]
     assert "round 1/1" in err  # progress on stderr
+
+
+def test_engine_step_is_the_time_of_one_launch():
+    # a model that sleeps 5 ms per forward: every launch costs at least that, and the median
+    # launch not much more (the tiny model's own forward is well under a millisecond)
+    from labkit.loading import load_model
+
+    model, _ = load_model("tiny")
+    forward = model.forward
+
+    def slow(*a, **kw):
+        time.sleep(0.005)
+        return forward(*a, **kw)
+
+    model.forward = slow
+    try:
+        step = bench_serve.engine_step_s(model, batch=2, steps=6, repeats=1)
+    finally:
+        del model.forward
+    assert 0.005 <= step < 0.05, step
+
+
+def test_engine_step_checks_its_arguments():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        bench_serve.engine_step_s(None, batch=0)
