@@ -350,6 +350,137 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sz
   return y;
 }
 
+// ---- int4 on a bf16 dot product (AVX512-BF16 CPUs: the build for them defines it) ----
+// Where the CPU multiplies bf16 pairs into fp32 sums (vdpbf16ps: 32 multiply-adds an
+// instruction), int4 need not become fp32 at all: a code 0..15 is exact in bf16, so a 16-entry
+// lookup (vpermw) turns 32 codes into bf16 in one instruction, and the group's scale and zero
+// are applied once per group: y[m, n] = sum_g s[n,g] sum_{k in g} x'[m,k] q[n,k]
+//                                            + (z[n,g] - 8 s[n,g]) sum_{k in g} x'[m,k],
+// x' being x rounded to bf16 (the only rounding the fp32 kernel does not make; torch's packed
+// kernels round x the same way). Lanes are 16 output rows, not 16 k: codes [N/16, K/4, 32]
+// uint8, byte 2i+e of a (row block, k/4) holding row i's k = 4t+e in its low nibble and
+// k = 4t+2+e in its high one (`int4_bf16_layout`), so one 32-byte load, a widen, a mask and a
+// shift give the (k, k+1) pairs of 16 rows for two dot products; sz [N/16, K/G, 32] int16: a
+// group's 16 bf16 scales, then its 16 zeros. Each output: pairs (4t, 4t+1) into one group
+// sum, (4t+2, 4t+3) into another, added at the group's end, scaled, its zero term added, in
+// that order whatever the number of rows: batch-invariant as the fp32 kernels are.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+static constexpr bool kBf16Dot = true;
+
+template <int RM>
+static inline void bf16_block(const uint32_t* xb, const float* xs, int64_t K, int64_t ng,
+                              int64_t G, const uint8_t* c, const uint16_t* sz, float* y,
+                              int64_t ldy) {
+  const __m512i table = _mm512_set_epi16(  // bf16 of 0..15 (entries 16..31 unused)
+      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130,
+      0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i lo = _mm512_set1_epi16(15);
+  __m512 acc[RM];
+  for (int i = 0; i < RM; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t kg = G / 4;
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 a0[RM], a1[RM];
+    for (int i = 0; i < RM; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t t = g * kg; t < (g + 1) * kg; ++t) {
+      const __m512i b = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + t * 32)));
+      const __m512i w0 = _mm512_permutexvar_epi16(_mm512_and_si512(b, lo), table);
+      const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+      for (int i = 0; i < RM; ++i) {
+        const uint32_t* xr = xb + i * (K / 2) + 2 * t;
+        a0[i] = _mm512_dpbf16_ps(a0[i], (__m512bh)w0, (__m512bh)_mm512_set1_epi32((int)xr[0]));
+        a1[i] = _mm512_dpbf16_ps(a1[i], (__m512bh)w1, (__m512bh)_mm512_set1_epi32((int)xr[1]));
+      }
+    }
+    const uint16_t* p = sz + g * 32;
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
+    const __m512 bz = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), s, z);  // z - 8 s, exact
+    for (int i = 0; i < RM; ++i) {
+      acc[i] = _mm512_fmadd_ps(_mm512_add_ps(a0[i], a1[i]), s, acc[i]);
+      acc[i] = _mm512_fmadd_ps(bz, _mm512_set1_ps(xs[i * ng + g]), acc[i]);
+    }
+  }
+  for (int i = 0; i < RM; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
+}
+
+torch::Tensor int4_linear_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor sz) {
+  const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0), N = NB * 16;
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && sz.dim() == 2 && K % 32 == 0 &&
+                  codes.size(1) == K * 8 && sz.size(0) == NB && sz.size(1) % 32 == 0 &&
+                  sz.size(1) > 0 && K % (sz.size(1) / 32) == 0 &&
+                  (K / (sz.size(1) / 32)) % 4 == 0 && x.is_contiguous() &&
+                  codes.is_contiguous() && sz.is_contiguous() &&
+                  x.scalar_type() == at::kFloat && codes.scalar_type() == at::kByte &&
+                  sz.scalar_type() == at::kShort,
+              "int4_linear_bf16: x [M, K] fp32, codes [N/16, 8K] uint8, sz [N/16, 32 K/G] "
+              "int16, K % 32 == 0, G % 4 == 0");
+  const int64_t ng = sz.size(1) / 32, G = K / ng;
+  auto y = torch::empty({M, N}, x.options());
+  // x rounded to bf16 once per call (pairs as uint32), and each group's sum of those values
+  std::vector<uint32_t> xb(M * K / 2);
+  std::vector<float> xs(M * ng);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; k += 32)
+      _mm512_storeu_si512(xb.data() + (m * K + k) / 2,
+                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xp + m * K + k + 16),
+                                                       _mm512_loadu_ps(xp + m * K + k)));
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(xb.data() + m * K / 2);
+    for (int64_t g = 0; g < ng; ++g) {
+      float sum = 0.0f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+        const uint32_t u = (uint32_t)h[k] << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        sum += f;
+      }
+      xs[m * ng + g] = sum;
+    }
+  }
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<int16_t>());
+  float* yp = y.data_ptr<float>();
+  const int64_t cs = K * 8, ss = ng * 32;
+  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t r = b0; r < b1; ++r) {
+      if (r + 1 < b1)  // this thread's next row block, asked for now
+        for (int64_t off = 0; off < cs; off += 64)
+          __builtin_prefetch(cp + (r + 1) * cs + off, 0, 3);
+      for (int64_t m = 0; m < M; m += 8) {  // up to 8 rows of x share each decoded code vector
+        const uint32_t* xq = xb.data() + m * K / 2;
+        const float* xsq = xs.data() + m * ng;
+        const uint8_t* c = cp + r * cs;
+        const uint16_t* s = sp + r * ss;
+        float* yq = yp + m * N + r * 16;
+        switch (std::min<int64_t>(8, M - m)) {
+          case 8: bf16_block<8>(xq, xsq, K, ng, G, c, s, yq, N); break;
+          case 7: bf16_block<7>(xq, xsq, K, ng, G, c, s, yq, N); break;
+          case 6: bf16_block<6>(xq, xsq, K, ng, G, c, s, yq, N); break;
+          case 5: bf16_block<5>(xq, xsq, K, ng, G, c, s, yq, N); break;
+          case 4: bf16_block<4>(xq, xsq, K, ng, G, c, s, yq, N); break;
+          case 3: bf16_block<3>(xq, xsq, K, ng, G, c, s, yq, N); break;
+          case 2: bf16_block<2>(xq, xsq, K, ng, G, c, s, yq, N); break;
+          default: bf16_block<1>(xq, xsq, K, ng, G, c, s, yq, N); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+#else
+static constexpr bool kBf16Dot = false;
+
+torch::Tensor int4_linear_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor sz) {
+  TORCH_CHECK(false, "int4_linear_bf16: this build has no bf16 dot product (AVX512-BF16)");
+  return x;
+}
+#endif
+
+bool has_bf16_dot() { return kBf16Dot; }
+
 // ---- attention over the KV pool, read in place through each sequence's slots ----
 
 #ifdef __AVX2__
@@ -751,9 +882,15 @@ _state: dict[str, object] = {}
 
 
 def _flags() -> list[str]:
-    """Vector flags this CPU runs (the build is cached per flag set, so per CPU kind)."""
+    """Vector flags this CPU runs (the build is cached per flag set, so per CPU kind). A CPU
+    with AVX512-BF16 also gets `int4_linear_bf16` (`int4_bf16_fits` says when it serves)."""
     cap = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
-    return ["-mavx2", "-mfma"] if cap in ("AVX2", "AVX512") else []
+    if cap not in ("AVX2", "AVX512"):
+        return []
+    flags = ["-mavx2", "-mfma"]
+    if cap == "AVX512" and torch.cpu._is_avx512_bf16_supported():
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+    return flags
 
 
 def usable(x: torch.Tensor):
@@ -793,6 +930,34 @@ def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return packed, (bits(scale) | (bits(zero) << 16)).contiguous()
 
 
+def int4_bf16_fits(n: int, k: int, group_size: int, scale: torch.Tensor,
+                   zero: torch.Tensor) -> bool:
+    """Whether `int4_linear_bf16` can serve an int4 linear [n, k]: this build has the bf16 dot
+    product (an AVX512-BF16 CPU), `LABKIT_BF16_DOT` is not 0, N is a multiple of 16 (lanes are
+    output rows), K of 32 and the group of 4, and the scales and zeros are bf16 values."""
+    mod = kernels() if os.environ.get("LABKIT_BF16_DOT", "1") != "0" else None
+    return (mod is not None and mod.has_bf16_dot() and n % 16 == 0 and k % 32 == 0
+            and group_size % 4 == 0 and k % group_size == 0 and int4_fits(k, group_size, scale,
+                                                                          zero))
+
+
+def int4_bf16_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_linear_bf16`'s operands from canonical int4 codes [N, K] (0..15) and bf16-valued
+    scales and zeros [N, K/G]: codes [N/16, 8K] uint8, for each block of 16 rows and each 4
+    consecutive k (t) 32 bytes, byte 2i+e holding row i's k = 4t+e in the low nibble and
+    k = 4t+2+e in the high one; sz [N/16, 32 K/G] int16, per block and group the 16 rows' bf16
+    scales, then their 16 zeros."""
+    n, k = codes.shape
+    ng = scale.shape[1]
+    c = codes.to(torch.uint8).reshape(n // 16, 16, k // 4, 2, 2)  # [blk, i, t, high, e]
+    c = c.permute(0, 2, 1, 4, 3)  # [blk, t, i, e, high]
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // 16, 8 * k).contiguous()
+    s, z = (t.bfloat16().view(torch.int16).reshape(n // 16, 16, ng).transpose(1, 2)
+            for t in (scale, zero))  # [blk, group, 16 rows] each
+    return packed, torch.stack([s, z], 2).reshape(n // 16, 32 * ng).contiguous()
+
+
 def kernels():
     """The compiled module (`int8_linear`, `int4_linear`, `paged_attention`, ...), or None
     where it cannot be built (or LABKIT_CPU_KERNELS=0 when first asked). Built once per
@@ -813,7 +978,8 @@ def _build():
     from torch.utils.cpp_extension import load_inline
 
     flags = _flags()
-    name = "labkit_kernels_" + ("avx2" if flags else "generic")
+    name = "labkit_kernels_" + ("avx512bf16" if "-mavx512bf16" in flags
+                                else "avx2" if flags else "generic")
     build_dir = cache_dir() / "torch_extensions" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob(f"{name}*.so")):
@@ -823,8 +989,9 @@ def _build():
         # -ffp-contract=off: no FMA the source did not write, so a scalar tail sums the same
         # way in every template instance (the batch invariance above depends on it)
         return load_inline(name, cpp_sources=_SOURCE,
-                           functions=["int8_linear", "int4_linear", "paged_attention",
-                                      "rms_norm", "rope", "silu_mul"],
+                           functions=["int8_linear", "int4_linear", "int4_linear_bf16",
+                                      "has_bf16_dot", "paged_attention", "rms_norm", "rope",
+                                      "silu_mul"],
                            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *flags],
                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
     except Exception as err:  # no working compiler: torch's kernel serves instead

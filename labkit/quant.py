@@ -253,6 +253,12 @@ class QuantLinear(nn.Module):
             codes = unpack_int4(self.qweight)  # [N, K]
             kw = torch.ops.aten._convert_weight_to_int4pack(pack_int4_hi_first(codes), 8)
             ks = _scales_and_zeros(self.scale, self.zero)
+        elif cpu_kernels.int4_bf16_fits(self.out_features, self.in_features, self.group_size,
+                                        self.scale, self.zero):
+            # an AVX512-BF16 CPU: codes to bf16 by lookup, a bf16 dot product, fp32 sums
+            kw, ks = cpu_kernels.int4_bf16_layout(unpack_int4(self.qweight), self.scale,
+                                                  self.zero)
+            self._labkit_kernel = "int4_linear_bf16"
         elif cpu_kernels.int4_fits(self.in_features, self.group_size, self.scale, self.zero):
             # labkit's int4 kernel (labkit.cpu_kernels): fp32 activations, no casts
             kw, ks = cpu_kernels.int4_layout(unpack_int4(self.qweight), self.scale, self.zero)
@@ -292,11 +298,13 @@ class QuantLinear(nn.Module):
                 x2 = x if x.dim() == 2 and x.is_contiguous() else (
                     x.reshape(-1, self.in_features).contiguous())  # [M, K]
                 y = (mod.int8_linear(x2, self.qweight, self.scale) if labkits == "int8_linear"
-                     else mod.int4_linear(x2, self.kweight, self.kscale))  # [M, N]
+                     else mod.int4_linear(x2, self.kweight, self.kscale)
+                     if labkits == "int4_linear"
+                     else mod.int4_linear_bf16(x2, self.kweight, self.kscale))  # [M, N]
                 y = y if self.bias is None else y + self.bias
                 return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-            if labkits == "int4_linear":  # a torch mode is on (it must see aten ops) or x is
-                return self.reference(x)  # not fp32 CPU: labkit's int4 layout has no torch op
+            if labkits != "int8_linear":  # a torch mode is on (it must see aten ops) or x is
+                return self.reference(x)  # not fp32 CPU: labkit's int4 layouts have no torch op
         # torch's packed kernels take bf16 rows
         lead = x.shape[:-1]
         xb = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(torch.bfloat16)  # [M, K]

@@ -1,6 +1,6 @@
 """labkit.cpu_kernels: the int8 and int4 kernels equal the dequantized reference and give a row
 the same result whatever rows share its call; QuantLinear falls back to torch's kernels without
-them.
+them. Where the CPU has AVX512-BF16, int4_linear_bf16 equals the reference on x rounded to bf16.
 The attention kernel writes k and v and attends as the naive reference does, and a token's
 result does not depend on what else is in its step."""
 
@@ -118,7 +118,8 @@ def test_relayout_derives_the_layout_again_for_where_the_codes_are(monkeypatch):
 
     lin = _int4_linear(n=64, k=128)
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(5))
-    assert lin.kscale.dtype == torch.int32
+    assert lin._labkit_kernel in ("int4_linear", "int4_linear_bf16")  # one of labkit's layouts
+    assert lin.kscale.dtype in (torch.int32, torch.int16)
     monkeypatch.setitem(cpu_kernels._state, "module", None)
     assert relayout(torch.nn.Sequential(lin))[0] is lin
     assert lin.kscale.dtype == torch.bfloat16 and lin._labkit_kernel is None
@@ -145,6 +146,98 @@ def test_under_a_torch_mode_int4_runs_the_reference_path():
     assert any("mm" in f for f in seen)  # the matmul was an aten op the mode saw
     torch.testing.assert_close(got, lin.reference(x))
     torch.testing.assert_close(lin(x), got, rtol=1e-5, atol=1e-5)  # the kernel, outside it
+
+
+# ---- int4_linear_bf16 (AVX512-BF16 CPUs) ---------------------------------------------------
+
+needs_bf16 = pytest.mark.skipif(built is None or not built.has_bf16_dot(),
+                                reason="this CPU has no AVX512-BF16: int4_linear_bf16 is not built")
+
+
+def test_the_bf16_layout_holds_every_code_where_the_kernel_reads_it():
+    # runs on every CPU: the layout is plain torch; read it back as the kernel's docstring says
+    gen = torch.Generator().manual_seed(7)
+    n, k, g = 48, 128, 32
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    scale = torch.rand(n, k // g, generator=gen).bfloat16().float()
+    zero = torch.randn(n, k // g, generator=gen).bfloat16().float()
+    packed, sz = cpu_kernels.int4_bf16_layout(codes, scale, zero)
+    assert packed.shape == (n // 16, 8 * k) and sz.shape == (n // 16, 32 * k // g)
+    b = packed.reshape(n // 16, k // 4, 16, 2)  # [block, t, row i, e]
+    for blk, t, i, e in [(0, 0, 0, 0), (1, 5, 3, 1), (2, 31, 15, 1), (2, 7, 9, 0)]:
+        byte, row = int(b[blk, t, i, e]), 16 * blk + i
+        assert byte & 15 == codes[row, 4 * t + e] and byte >> 4 == codes[row, 4 * t + 2 + e]
+    halves = sz.reshape(n // 16, k // g, 2, 16)  # [block, group, scale/zero, row i]
+    bf = lambda v: torch.tensor([v], dtype=torch.int16).view(torch.bfloat16).float()  # noqa: E731
+    assert bf(int(halves[1, 2, 0, 4])) == scale[20, 2]
+    assert bf(int(halves[2, 3, 1, 15])) == zero[47, 3]
+
+
+def _rounded_reference(lin, x):
+    """x rounded to bf16 times the dequantized weight, in float64: what the bf16 kernel sums"""
+    return (x.bfloat16().double() @ lin.dequantized().double().t()).float()
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 33])
+@pytest.mark.parametrize("spec,n,k", [("int4-g32", 48, 96), ("int4-g64", 32, 192),
+                                      ("int4-g128", 64, 256), ("int4-g32", 960, 576)])
+def test_the_bf16_kernel_equals_the_reference_on_bf16_activations(rows, spec, n, k):
+    lin = _int4_linear(n=n, k=k, spec=spec)
+    assert lin._labkit_kernel == "int4_linear_bf16" and lin.kscale.dtype == torch.int16
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = lin(x)
+    want = _rounded_reference(lin, x)  # only fp32 sums in another order may differ
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), spec
+    exact = lin.reference(x)  # fp32 x: bf16's rounding of x (2^-9) is all that is left
+    assert float((got - exact).abs().max()) <= 1e-2 * float(exact.abs().max()), spec
+
+
+@needs_bf16
+def test_the_bf16_kernel_reads_back_each_weight_exactly():
+    lin = _int4_linear(n=64, k=128)
+    assert torch.equal(lin(torch.eye(128)).t(), lin.dequantized())  # 1 and 0 are exact in bf16
+
+
+@needs_bf16
+def test_a_rows_bf16_result_does_not_depend_on_the_rows_beside_it():
+    # rows go in chunks of up to 8 that share each decoded code vector
+    lin = _int4_linear(n=48, k=96)
+    x = torch.randn(19, 96, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(19)])
+    for m in (2, 3, 7, 8, 9, 16, 17, 19):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+
+
+@needs_bf16
+def test_the_bf16_kernel_refuses_operands_it_cannot_read():
+    lin = _int4_linear(n=48, k=96)
+    x = torch.randn(2, 96)
+    with pytest.raises(RuntimeError, match="int4_linear_bf16"):
+        built.int4_linear_bf16(torch.randn(2, 64), lin.kweight, lin.kscale)  # K disagrees
+    with pytest.raises(RuntimeError, match="int4_linear_bf16"):
+        built.int4_linear_bf16(x, lin.kweight, lin.kscale.int())  # not the int16 layout
+    with pytest.raises(RuntimeError, match="int4_linear_bf16"):
+        built.int4_linear_bf16(x.double(), lin.kweight, lin.kscale)  # not fp32
+
+
+@needs_kernel
+def test_labkit_bf16_dot_0_keeps_the_fp32_int4_kernel(monkeypatch):
+    monkeypatch.setenv("LABKIT_BF16_DOT", "0")
+    lin = _int4_linear(n=48, k=96)
+    assert lin._labkit_kernel == "int4_linear" and lin.kscale.dtype == torch.int32
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(lin(x), lin.reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_without_bf16_hardware_the_bf16_kernel_is_never_chosen(monkeypatch):
+    class NoBf16:
+        def has_bf16_dot(self):
+            return False
+
+    monkeypatch.setitem(cpu_kernels._state, "module", NoBf16())
+    scale = torch.ones(48, 3)
+    assert not cpu_kernels.int4_bf16_fits(48, 96, 32, scale, scale)
 
 
 def test_the_kernel_can_be_turned_off(monkeypatch):
