@@ -367,7 +367,9 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sz
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 static constexpr bool kBf16Dot = true;
 
-template <int RM>
+// RM rows of x against RB blocks of 16 output rows (several blocks: independent sums in flight
+// when there are few rows of x; the sums themselves are the same for every RB and RM)
+template <int RB, int RM>
 static inline void bf16_block(const uint32_t* xb, const float* xs, int64_t K, int64_t ng,
                               int64_t G, const uint8_t* c, const uint16_t* sz, float* y,
                               int64_t ldy) {
@@ -375,37 +377,69 @@ static inline void bf16_block(const uint32_t* xb, const float* xs, int64_t K, in
       0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130,
       0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
   const __m512i lo = _mm512_set1_epi16(15);
-  __m512 acc[RM];
-  for (int i = 0; i < RM; ++i) acc[i] = _mm512_setzero_ps();
-  const int64_t kg = G / 4;
+  const int64_t cs = K * 8, ss = ng * 32, kg = G / 4;  // a block's bytes of codes, of sz
+  __m512 acc[RM][RB];
+  for (int i = 0; i < RM; ++i)
+    for (int r = 0; r < RB; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    __m512 a0[RM], a1[RM];
-    for (int i = 0; i < RM; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-    for (int64_t t = g * kg; t < (g + 1) * kg; ++t) {
-      const __m512i b = _mm512_cvtepu8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + t * 32)));
-      const __m512i w0 = _mm512_permutexvar_epi16(_mm512_and_si512(b, lo), table);
-      const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+    __m512 a0[RM][RB], a1[RM][RB];  // the group's sums: pairs (4t, 4t+1), pairs (4t+2, 4t+3)
+    for (int i = 0; i < RM; ++i)
+      for (int r = 0; r < RB; ++r) a0[i][r] = a1[i][r] = _mm512_setzero_ps();
+    for (int64_t t = g * kg; t < (g + 1) * kg; ++t)
+      for (int r = 0; r < RB; ++r) {
+        const __m512i b = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * cs + t * 32)));
+        const __m512i w0 = _mm512_permutexvar_epi16(_mm512_and_si512(b, lo), table);
+        const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+        for (int i = 0; i < RM; ++i) {
+          const uint32_t* xr = xb + i * (K / 2) + 2 * t;
+          a0[i][r] = _mm512_dpbf16_ps(a0[i][r], (__m512bh)w0,
+                                      (__m512bh)_mm512_set1_epi32((int)xr[0]));
+          a1[i][r] = _mm512_dpbf16_ps(a1[i][r], (__m512bh)w1,
+                                      (__m512bh)_mm512_set1_epi32((int)xr[1]));
+        }
+      }
+    for (int r = 0; r < RB; ++r) {
+      const uint16_t* p = sz + r * ss + g * 32;
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
+      const __m512 bz = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), s, z);  // z - 8 s, exact
       for (int i = 0; i < RM; ++i) {
-        const uint32_t* xr = xb + i * (K / 2) + 2 * t;
-        a0[i] = _mm512_dpbf16_ps(a0[i], (__m512bh)w0, (__m512bh)_mm512_set1_epi32((int)xr[0]));
-        a1[i] = _mm512_dpbf16_ps(a1[i], (__m512bh)w1, (__m512bh)_mm512_set1_epi32((int)xr[1]));
+        acc[i][r] = _mm512_fmadd_ps(_mm512_add_ps(a0[i][r], a1[i][r]), s, acc[i][r]);
+        acc[i][r] = _mm512_fmadd_ps(bz, _mm512_set1_ps(xs[i * ng + g]), acc[i][r]);
       }
     }
-    const uint16_t* p = sz + g * 32;
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
-    const __m512 bz = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), s, z);  // z - 8 s, exact
-    for (int i = 0; i < RM; ++i) {
-      acc[i] = _mm512_fmadd_ps(_mm512_add_ps(a0[i], a1[i]), s, acc[i]);
-      acc[i] = _mm512_fmadd_ps(bz, _mm512_set1_ps(xs[i * ng + g]), acc[i]);
-    }
   }
-  for (int i = 0; i < RM; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
+  for (int i = 0; i < RM; ++i)
+    for (int r = 0; r < RB; ++r) _mm512_storeu_ps(y + i * ldy + r * 16, acc[i][r]);
 }
 
+// up to 8 rows of x (they share each decoded code vector) against RB blocks
+template <int RB>
+static inline void bf16_rows(const uint32_t* xb, const float* xs, int64_t M, int64_t K,
+                             int64_t ng, int64_t G, const uint8_t* c, const uint16_t* sz,
+                             float* y, int64_t N) {
+  for (int64_t m = 0; m < M; m += 8) {
+    const uint32_t* xq = xb + m * K / 2;
+    const float* xsq = xs + m * ng;
+    float* yq = y + m * N;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 8: bf16_block<RB, 8>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      case 7: bf16_block<RB, 7>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      case 6: bf16_block<RB, 6>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      case 5: bf16_block<RB, 5>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      case 4: bf16_block<RB, 4>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      case 3: bf16_block<RB, 3>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      case 2: bf16_block<RB, 2>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      default: bf16_block<RB, 1>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+    }
+  }
+}
+
+// y [M, N] = x [M, K] (fp32) times the int4 codes in int4_bf16_layout. One row of x takes 4
+// blocks of 16 output rows at a time, two or three rows take 2, more take 1.
 torch::Tensor int4_linear_bf16(torch::Tensor x, torch::Tensor codes, torch::Tensor sz) {
   const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0), N = NB * 16;
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && sz.dim() == 2 && K % 32 == 0 &&
@@ -443,28 +477,19 @@ torch::Tensor int4_linear_bf16(torch::Tensor x, torch::Tensor codes, torch::Tens
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<int16_t>());
   float* yp = y.data_ptr<float>();
-  const int64_t cs = K * 8, ss = ng * 32;
-  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t r = b0; r < b1; ++r) {
-      if (r + 1 < b1)  // this thread's next row block, asked for now
-        for (int64_t off = 0; off < cs; off += 64)
-          __builtin_prefetch(cp + (r + 1) * cs + off, 0, 3);
-      for (int64_t m = 0; m < M; m += 8) {  // up to 8 rows of x share each decoded code vector
-        const uint32_t* xq = xb.data() + m * K / 2;
-        const float* xsq = xs.data() + m * ng;
-        const uint8_t* c = cp + r * cs;
-        const uint16_t* s = sp + r * ss;
-        float* yq = yp + m * N + r * 16;
-        switch (std::min<int64_t>(8, M - m)) {
-          case 8: bf16_block<8>(xq, xsq, K, ng, G, c, s, yq, N); break;
-          case 7: bf16_block<7>(xq, xsq, K, ng, G, c, s, yq, N); break;
-          case 6: bf16_block<6>(xq, xsq, K, ng, G, c, s, yq, N); break;
-          case 5: bf16_block<5>(xq, xsq, K, ng, G, c, s, yq, N); break;
-          case 4: bf16_block<4>(xq, xsq, K, ng, G, c, s, yq, N); break;
-          case 3: bf16_block<3>(xq, xsq, K, ng, G, c, s, yq, N); break;
-          case 2: bf16_block<2>(xq, xsq, K, ng, G, c, s, yq, N); break;
-          default: bf16_block<1>(xq, xsq, K, ng, G, c, s, yq, N); break;
-        }
+  const int64_t cs = K * 8, ss = ng * 32, RB = M == 1 ? 4 : M < 4 ? 2 : 1;
+  const int64_t nitems = (NB + RB - 1) / RB;
+  at::parallel_for(0, nitems, 2, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * RB, rb = std::min<int64_t>(RB, NB - r0);
+      const uint32_t* xq = xb.data();
+      if (rb == 4) {
+        bf16_rows<4>(xq, xs.data(), M, K, ng, G, cp + r0 * cs, sp + r0 * ss, yp + r0 * 16, N);
+      } else if (rb == 2) {
+        bf16_rows<2>(xq, xs.data(), M, K, ng, G, cp + r0 * cs, sp + r0 * ss, yp + r0 * 16, N);
+      } else {
+        for (int64_t r = r0; r < r0 + rb; ++r)
+          bf16_rows<1>(xq, xs.data(), M, K, ng, G, cp + r * cs, sp + r * ss, yp + r * 16, N);
       }
     }
   });
