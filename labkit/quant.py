@@ -27,7 +27,10 @@ rows share its call (batch-invariant). int8 applies each row's scale once, to th
 sum; int4 dequantizes each weight as `q * s + (z - 8 s)`, the very value `dequantize_int4`
 gives, from its own layout (`cpu_kernels.int4_layout`: 16 codes in 8 bytes, a group's bf16
 scale and zero in one int32). Measured in a SmolLM2 int4 decode step at batch 1, 3 and 32:
-1.1x, 1.3x and 2x faster than torch's int4 kernel with its casts (results/). Scales and zeros
+1.1x, 1.3x and 2x faster than torch's int4 kernel with its casts (results/). On a CPU with
+AVX512-BF16, int4 runs on `cpu_kernels.int4_linear_bf16` instead (where N % 16 == 0, unless
+`LABKIT_BF16_DOT=0`): codes to bf16 by lookup, a bf16 dot product into fp32 sums, x rounded
+to bf16; 1.5x faster again at batch 1 on a 2-core AVX-512 machine. Scales and zeros
 are rounded to bf16 when quantizing, so the kernel and the dequantize reference
 (`QuantLinear.reference`) compute with the very same numbers. The tied embedding/LM head: the
 head is quantized like any linear; the embedding lookup keeps the exact fp32 rows (it reads one
@@ -189,7 +192,8 @@ class QuantLinear(nn.Module):
     Persistent buffers hold the canonical codes (what the cache stores): int8 `qweight`
     [N, K] and `scale` [N]; int4 `qweight` [N, K/2] (pack_int4), `scale`, `zero` [N, K/g].
     The kernel's own layout (`kweight`, `kscale`) is derived from them and not stored: for int4
-    on the CPU, labkit's (`kscale` int32) where `cpu_kernels.int4_fits`, else torch's (bf16).
+    on the CPU, labkit's bf16-dot layout (`kscale` int16) where `cpu_kernels.int4_bf16_fits`,
+    else labkit's (`kscale` int32) where `cpu_kernels.int4_fits`, else torch's (bf16).
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme,

@@ -240,6 +240,21 @@ def test_without_bf16_hardware_the_bf16_kernel_is_never_chosen(monkeypatch):
     assert not cpu_kernels.int4_bf16_fits(48, 96, 32, scale, scale)
 
 
+def test_a_compiler_without_avx512_bf16_still_builds_the_other_kernels(monkeypatch):
+    tried = []
+
+    def build_with(flags):
+        tried.append(flags)
+        return None if "-mavx512bf16" in flags else "the avx2 module"
+
+    monkeypatch.setattr(cpu_kernels, "_flags", lambda: ["-mavx2", "-mfma", "-mavx512f",
+                                                        "-mavx512bw", "-mavx512bf16"])
+    monkeypatch.setattr(cpu_kernels, "_build_with", build_with)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert cpu_kernels._build() == "the avx2 module"
+    assert tried[1] == ["-mavx2", "-mfma"]
+
+
 def test_the_kernel_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("LABKIT_CPU_KERNELS", "0")
     assert cpu_kernels._build() is None
