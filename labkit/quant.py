@@ -301,10 +301,9 @@ class QuantLinear(nn.Module):
             if mod is not None:
                 x2 = x if x.dim() == 2 and x.is_contiguous() else (
                     x.reshape(-1, self.in_features).contiguous())  # [M, K]
-                y = (mod.int8_linear(x2, self.qweight, self.scale) if labkits == "int8_linear"
-                     else mod.int4_linear(x2, self.kweight, self.kscale)
-                     if labkits == "int4_linear"
-                     else mod.int4_linear_bf16(x2, self.kweight, self.kscale))  # [M, N]
+                kernel = getattr(mod, labkits)  # int8_linear, int4_linear, int4_linear_bf16
+                y = (kernel(x2, self.qweight, self.scale) if labkits == "int8_linear"
+                     else kernel(x2, self.kweight, self.kscale))  # [M, N]
                 y = y if self.bias is None else y + self.bias
                 return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
             if labkits != "int8_linear":  # a torch mode is on (it must see aten ops) or x is
