@@ -489,17 +489,18 @@ torch::Tensor int4_linear_bf16(torch::Tensor x, torch::Tensor codes, torch::Tens
   float* yp = y.data_ptr<float>();
   const int64_t cs = K * 8, ss = ng * 32, RB = M == 1 ? 4 : M < 4 ? 2 : 1;
   const int64_t nitems = (NB + RB - 1) / RB;
+  const uint32_t* xq = xb.data();
+  const float* xsq = xs.data();
   at::parallel_for(0, nitems, 2, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = b * RB, rb = std::min<int64_t>(RB, NB - r0);
-      const uint32_t* xq = xb.data();
       if (rb == 4) {
-        bf16_rows<4>(xq, xs.data(), M, K, ng, G, cp + r0 * cs, sp + r0 * ss, yp + r0 * 16, N);
+        bf16_rows<4>(xq, xsq, M, K, ng, G, cp + r0 * cs, sp + r0 * ss, yp + r0 * 16, N);
       } else if (rb == 2) {
-        bf16_rows<2>(xq, xs.data(), M, K, ng, G, cp + r0 * cs, sp + r0 * ss, yp + r0 * 16, N);
-      } else {
+        bf16_rows<2>(xq, xsq, M, K, ng, G, cp + r0 * cs, sp + r0 * ss, yp + r0 * 16, N);
+      } else {  // one block at a time (and the last, short item of 4)
         for (int64_t r = r0; r < r0 + rb; ++r)
-          bf16_rows<1>(xq, xs.data(), M, K, ng, G, cp + r * cs, sp + r * ss, yp + r * 16, N);
+          bf16_rows<1>(xq, xsq, M, K, ng, G, cp + r * cs, sp + r * ss, yp + r * 16, N);
       }
     }
   });
@@ -967,13 +968,11 @@ def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 
 def int4_bf16_fits(n: int, k: int, group_size: int, scale: torch.Tensor,
                    zero: torch.Tensor) -> bool:
-    """Whether `int4_linear_bf16` can serve an int4 linear [n, k]: this build has the bf16 dot
-    product (an AVX512-BF16 CPU), `LABKIT_BF16_DOT` is not 0, N is a multiple of 16 (lanes are
-    output rows), K of 32 and the group of 4, and the scales and zeros are bf16 values."""
-    mod = kernels() if os.environ.get("LABKIT_BF16_DOT", "1") != "0" else None
-    return (mod is not None and mod.has_bf16_dot() and n % 16 == 0 and k % 32 == 0
-            and group_size % 4 == 0 and k % group_size == 0 and int4_fits(k, group_size, scale,
-                                                                          zero))
+    """Whether `int4_linear_bf16` can serve an int4 linear [n, k]: whatever `int4_linear`
+    needs (`int4_fits`), and this build has the bf16 dot product (an AVX512-BF16 CPU),
+    `LABKIT_BF16_DOT` is not 0, N is a multiple of 16 (lanes are output rows), K of 32."""
+    return (os.environ.get("LABKIT_BF16_DOT", "1") != "0" and n % 16 == 0 and k % 32 == 0
+            and int4_fits(k, group_size, scale, zero) and kernels().has_bf16_dot())
 
 
 def int4_bf16_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor

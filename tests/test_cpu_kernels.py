@@ -16,6 +16,8 @@ from labkit.quant import QuantLinear, QuantScheme
 built = cpu_kernels.kernels()
 needs_kernel = pytest.mark.skipif(built is None,
                                   reason="no C++ compiler and ninja: the kernel cannot build")
+needs_bf16 = pytest.mark.skipif(built is None or not built.has_bf16_dot(),
+                                reason="this CPU has no AVX512-BF16: int4_linear_bf16 is not built")
 
 
 def _int8_linear(n=200, k=100, bias=False, seed=0):
@@ -81,14 +83,21 @@ def test_the_int4_kernel_equals_the_dequantized_reference(rows, spec, k):
 
 
 @needs_kernel
-def test_an_int4_rows_result_does_not_depend_on_the_rows_beside_it():
-    # one row, two or three, and four or more take different paths (codes dequantized in
-    # registers, or once into an L1 buffer): every row's output must be bit-identical
-    lin = _int4_linear(n=11, k=96)
-    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(3))
-    alone = torch.cat([lin(x[i:i + 1]) for i in range(11)])
-    for m in (2, 3, 4, 5, 6, 11):
-        assert torch.equal(lin(x[:m]), alone[:m]), m
+@pytest.mark.parametrize("kernel,n", [("int4_linear", 11),
+                                      pytest.param("int4_linear_bf16", 48, marks=needs_bf16)])
+def test_an_int4_rows_result_does_not_depend_on_the_rows_beside_it(kernel, n, monkeypatch):
+    # int4_linear: one row, two or three, and four or more take different paths (codes
+    # dequantized in registers, or once into an L1 buffer); int4_linear_bf16: one row takes 4
+    # blocks of 16 output rows, two or three take 2, and chunks of up to 8 rows share each
+    # decoded code vector. Every row's output must be bit-identical.
+    if kernel == "int4_linear":
+        monkeypatch.setenv("LABKIT_BF16_DOT", "0")
+    lin = _int4_linear(n=n, k=96)
+    assert lin._labkit_kernel == kernel
+    x = torch.randn(19, 96, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(19)])
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 11, 16, 17, 19):
+        assert torch.equal(lin(x[:m]), alone[:m]), (kernel, m)
 
 
 @needs_kernel
@@ -150,10 +159,6 @@ def test_under_a_torch_mode_int4_runs_the_reference_path():
 
 # ---- int4_linear_bf16 (AVX512-BF16 CPUs) ---------------------------------------------------
 
-needs_bf16 = pytest.mark.skipif(built is None or not built.has_bf16_dot(),
-                                reason="this CPU has no AVX512-BF16: int4_linear_bf16 is not built")
-
-
 def test_the_bf16_layout_holds_every_code_where_the_kernel_reads_it():
     # runs on every CPU: the layout is plain torch; read it back as the kernel's docstring says
     gen = torch.Generator().manual_seed(7)
@@ -197,16 +202,6 @@ def test_the_bf16_kernel_equals_the_reference_on_bf16_activations(rows, spec, n,
 def test_the_bf16_kernel_reads_back_each_weight_exactly():
     lin = _int4_linear(n=64, k=128)
     assert torch.equal(lin(torch.eye(128)).t(), lin.dequantized())  # 1 and 0 are exact in bf16
-
-
-@needs_bf16
-def test_a_rows_bf16_result_does_not_depend_on_the_rows_beside_it():
-    # rows go in chunks of up to 8 that share each decoded code vector
-    lin = _int4_linear(n=48, k=96)
-    x = torch.randn(19, 96, generator=torch.Generator().manual_seed(3))
-    alone = torch.cat([lin(x[i:i + 1]) for i in range(19)])
-    for m in (2, 3, 7, 8, 9, 16, 17, 19):
-        assert torch.equal(lin(x[:m]), alone[:m]), m
 
 
 @needs_bf16
