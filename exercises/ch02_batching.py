@@ -1,6 +1,7 @@
 """Chapter 02 exercises: the three rules of a batching server. Fill in each function, then run
 `make grade` (or the check cell in notebooks/02_batching.ipynb). The graders are the same
-tests that check labkit's own solutions (in labkit/serve_sim.py and labkit/metrics.py)."""
+tests that check labkit's own solutions (in labkit/instruments/serve_sim.py and
+labkit/serving/metrics.py)."""
 
 
 def admit_fcfs(waiting, free_pages: int, block_size: int, free_slots: int) -> int:

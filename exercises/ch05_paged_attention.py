@@ -1,6 +1,7 @@
 """Chapter 05 exercises: the bookkeeping of PagedAttention. Fill in each function and the class,
 then run `make grade` (or the check cell in notebooks/05_paged_attention.ipynb). The graders
-are the same tests that check labkit's own solutions (labkit/paged_kv.py, labkit/kv_sim.py)."""
+are the same tests that check labkit's own solutions (labkit/paged_kv.py,
+labkit/instruments/kv_sim.py)."""
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

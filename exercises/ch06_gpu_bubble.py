@@ -9,7 +9,7 @@ def bubble_fraction(busy: list[tuple[float, float]], t0: float, t1: float) -> fl
     `busy`: the (start, end) seconds of every span the compute lane ran (forwards, samples),
     in any order; spans may overlap (count overlapping time once). Every span lies inside the
     window, and t1 > t0. Return a fraction in [0, 1]: 1 - (time covered by some span) /
-    (t1 - t0). labkit's version: labkit/timeline.py::idle_fraction.
+    (t1 - t0). labkit's version: labkit/instruments/timeline.py::idle_fraction.
     """
     raise NotImplementedError("bubble_fraction: see the docstring for the task")
 
@@ -26,6 +26,6 @@ def cost_model(launch_s: list[float], host_s: list[float],
     those steps. A blocking step is the whole period (host work, device work, and the round
     trips between them); a perfect pipeline overlaps all of it but the longer of the two
     terms, so the prediction is mean period / max(T_host, T_device). labkit's version:
-    labkit/bench_decode.py::cost_model.
+    labkit/bench/decode.py::cost_model.
     """
     raise NotImplementedError("cost_model: see the docstring for the task")

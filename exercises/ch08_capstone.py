@@ -13,7 +13,7 @@ def predict_wall(steps: int, tokens: int, a: float, b: float, h: float, pipeline
     with, e.g. 4 for fp32 against int8; b: each token's compute) and the host `h` seconds of its
     own work. The blocking loop waits for each, so the two add up; the pipelined loop overlaps
     them, so the longer of the two totals sets the wall. labkit's version:
-    `labkit.bench_ablation.predict_wall`.
+    `labkit.bench.ablation.predict_wall`.
     """
     raise NotImplementedError("predict_wall: see the docstring for the task")
 
@@ -26,6 +26,6 @@ def relay(next_event, is_disconnected, cancel, poll_s: float = 0.25):
     (pieces, value). When nothing came, ask `is_disconnected()`: if the client has gone, call
     `cancel()` exactly once and return None. Never cancel a request that has finished: the
     engine has already released its pages, and a second release is the double free on abort.
-    labkit's version: `labkit.server.relay`.
+    labkit's version: `labkit.serving.server.relay`.
     """
     raise NotImplementedError("relay: see the docstring for the task")

@@ -12,11 +12,13 @@ import sys
 COMMANDS = {
     "generate": ("labkit.cli", "generate_main", "generate text with the engine"),
     "info": ("labkit.cli", "info_main", "versions, threads, device, model cache"),
-    "bench": ("labkit.bench", "main", "benchmarks: `bench generate`, `bench decode`"),
+    "bench": ("labkit.bench.cli", "main", "benchmarks: `bench generate`, `bench decode`"),
     "roofline": ("labkit.cli", "roofline_main", "roofline analysis of a model on a device"),
-    "serve": ("labkit.server", "serve_main", "an OpenAI-compatible HTTP server over the engine"),
-    "grade": ("labkit.check", "main", "grade your answers in exercises/, one line each"),
-    "eval": ("labkit.eval_ppl", "main", "evaluate a model: `eval ppl` (perplexity on a text)"),
+    "serve": ("labkit.serving.server", "serve_main",
+              "an OpenAI-compatible HTTP server over the engine"),
+    "grade": ("labkit.graders.check", "main", "grade your answers in exercises/, one line each"),
+    "eval": ("labkit.bench.eval_ppl", "main",
+             "evaluate a model: `eval ppl` (perplexity on a text)"),
 }
 
 

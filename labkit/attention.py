@@ -16,7 +16,7 @@ both caches share this metadata. The backends share one signature and one test:
   attention, with grouped-query heads folded into the query rows so K and V are never repeated.
 - `FlashAttention` (below, with the chapter-04 functions `flash_attention`, `merge_partials`,
   `flash_decode`): the KV pool a tile of pages at a time with an online softmax; its
-  `FlashMeta` holds no [B, L] slots and no mask. On CUDA, labkit.attention_triton's kernel.
+  `FlashMeta` holds no [B, L] slots and no mask. On CUDA, labkit.kernels.attention_triton's kernel.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from dataclasses import KW_ONLY, dataclass
 import torch
 from torch.nn import functional as F
 
-from labkit import attention_triton, cpu_kernels
+from labkit.kernels import attention_triton
+from labkit.kernels import cpu as cpu_kernels
 from labkit.paged_kv import KVStore
 
 
@@ -218,7 +219,7 @@ class _GatherPlan:
 class PagedAttention(AttentionBackend):
     """All sequences at once, through the block tables.
 
-    On the CPU (fp32), labkit's kernel (`labkit.cpu_kernels`) reads each token's keys and
+    On the CPU (fp32), labkit's kernel (`labkit.kernels.cpu`) reads each token's keys and
     values in place, a slot at a time, with no copy of the context; elsewhere, or without a
     compiler, or with `cpu_kernel=False`: gather the context into one [B, L, Hkv, D] tensor,
     then fused SDPA. Measured at batch 32, context 256 on SmolLM2: the gather alone cost ~2 ms
@@ -480,7 +481,8 @@ class FlashAttention(AttentionBackend):
     """Reads the KV pool a tile (`tile_tokens`, whole pages when they fit) at a time through
     the block tables, with online softmax; decode merges per-tile partials (split-K).
 
-    On CUDA with triton importable, the fused kernel in labkit.attention_triton runs instead.
+    On CUDA with triton importable, the fused kernel in labkit.kernels.attention_triton runs
+    instead.
     """
 
     meta_type = FlashMeta

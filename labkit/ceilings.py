@@ -28,10 +28,10 @@ import torch
 from torch.nn import functional as F
 
 from labkit import claims
-from labkit.cache import cache_dir
 from labkit.model import ModelConfig
-from labkit.progress import progress
 from labkit.roofline import TORCH_DTYPES, Hardware, _hw_key, get_hardware, step_cost
+from labkit.utils.cache import cache_dir
+from labkit.utils.progress import progress
 
 # ---------------------------------------------------------------------------------------------
 # measured ceilings of this machine

@@ -197,7 +197,7 @@ def info_main(argv: list[str]) -> int:
         except md.PackageNotFoundError:
             return "not installed"
 
-    from labkit.cache import cache_dir
+    from labkit.utils.cache import cache_dir
 
     command_parser("python -m labkit info",
                    "Versions, threads, the device and the model cache; takes no "

@@ -183,7 +183,7 @@ class Engine:
         self.steps = 0  # launches so far (never reset: it numbers the steps)
         self.on_text: TextCallback | None = None
         self.on_step: Callable[[Engine], None] | None = None  # called between steps
-        self.timeline = None  # a labkit.timeline.Timeline while one is recording
+        self.timeline = None  # a labkit.instruments.timeline.Timeline while one is recording
         self.interrupt_pending = False  # a deferred Ctrl-C, raised at the next between_steps
 
     @property

@@ -10,10 +10,10 @@ fast tests. Two details carry the lesson:
   (2i, 2i+1); labkit (like transformers) rotates the halves (i, i + D/2). Loading undoes the
   permutation; forgetting it gives a model that runs, and writes nonsense.
 - Reading and dequantizing the GGUF takes tens of seconds, so it happens once: the fp32 result
-  is written to an entry of the model cache (`labkit.cache`: keyed by content, built
+  is written to an entry of the model cache (`labkit.utils.cache`: keyed by content, built
   atomically); later loads memory-map it in a fraction of a second.
 
-The tokenizer lives in `labkit.tokenizer`, the cache in `labkit.cache`.
+The tokenizer lives in `labkit.tokenizer`, the cache in `labkit.utils.cache`.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from labkit.cache import build_atomically, cache_entry, packaged_gguf
 from labkit.model import LlamaModel, ModelConfig, init_random
-from labkit.progress import progress
 from labkit.tokenizer import Tokenizer, smollm2_tokenizer, tokenizer_from_gguf
+from labkit.utils.cache import build_atomically, cache_entry, packaged_gguf
+from labkit.utils.progress import progress
 
 NAMES = ("smollm2-135m", "tiny", "smollm2-135m-random")
 TINY_VOCAB = 8192  # load_model("tiny"): SmolLM2's first 8192 tokens

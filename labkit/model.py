@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from labkit import cpu_kernels
+from labkit.kernels import cpu as cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Attention(Protocol):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in fp32.
 
-    On the CPU in fp32, labkit's C++ kernel (labkit.cpu_kernels) does it in one call: the
+    On the CPU in fp32, labkit's C++ kernel (labkit.kernels.cpu) does it in one call: the
     torch ops below are nine dispatches (two of them casting the Python scalars), ~44 us a
     call at batch 1, 61 calls a step."""
     # x: [..., d]; weight: [d]
@@ -151,7 +151,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # x: [T, H, D]; cos, sin: [T, 1, D]
     kernels = cpu_kernels.usable(x)
     if kernels is not None and x.dim() == 3 and x.stride(-1) == 1 and cos.is_contiguous():
-        return kernels.rope(x, cos, sin)  # the same formula, one call (labkit.cpu_kernels)
+        return kernels.rope(x, cos, sin)  # the same formula, one call (labkit.kernels.cpu)
     x32 = x if x.dtype == torch.float32 else x.float()
     out = torch.addcmul(x32 * cos, x32.roll(x.shape[-1] // 2, dims=-1), sin)
     return out if out.dtype == x.dtype else out.to(x.dtype)

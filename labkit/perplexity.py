@@ -5,7 +5,7 @@ perplexity is exp(NLL). A text longer than the window is read in windows of `win
 start every `stride` tokens; each window scores only the tokens the previous one did not, so
 every token is scored once, with at least `window - stride` tokens of context (the usual
 sliding-window evaluation). The default text ships with every Python: `pydoc_data.topics`,
-about 465 KB of English help pages. The command line is labkit.eval_ppl.
+about 465 KB of English help pages. The command line is labkit.bench.eval_ppl.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ buys nothing. So `QuantLinear` runs torch's packed CPU kernels:
 
 torch's CPU kernels take **bf16 activations** (fp32 activations send int8 to a slow path), so
 on them a QuantLinear casts its input to bf16 and its output back. On the CPU with fp32
-activations, labkit's own kernels serve instead (`labkit.cpu_kernels.int8_linear` and
+activations, labkit's own kernels serve instead (`labkit.kernels.cpu.int8_linear` and
 `int4_linear`, where they build): they read the codes, turn them into fp32 in registers (or,
 for many rows, a few code rows at a time into L1), and give a row the same result whatever
 rows share its call (batch-invariant). int8 applies each row's scale once, to the finished
@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from labkit import cpu_kernels
-from labkit.cpu_kernels import usable
+from labkit.kernels import cpu as cpu_kernels
+from labkit.kernels.cpu import usable
 
 QUANT_VERSION = 2  # bump when the quantized format changes or old entries may be wrong
 # (2: version 1 wrote a cached AWQ entry's norms into the fp32 tensors every model of the file
@@ -264,7 +264,7 @@ class QuantLinear(nn.Module):
                                                   self.zero)
             self._labkit_kernel = "int4_linear_bf16"
         elif cpu_kernels.int4_fits(self.in_features, self.group_size, self.scale, self.zero):
-            # labkit's int4 kernel (labkit.cpu_kernels): fp32 activations, no casts
+            # labkit's int4 kernel (labkit.kernels.cpu): fp32 activations, no casts
             kw, ks = cpu_kernels.int4_layout(unpack_int4(self.qweight), self.scale, self.zero)
             self._labkit_kernel = "int4_linear"
         else:
@@ -297,7 +297,7 @@ class QuantLinear(nn.Module):
         # up: the kernel's name is a plain attribute, the reshapes skipped for 2-D input)
         labkits = self._labkit_kernel
         if labkits is not None:
-            mod = usable(x)  # labkit's kernel (labkit.cpu_kernels), where it serves
+            mod = usable(x)  # labkit's kernel (labkit.kernels.cpu), where it serves
             if mod is not None:
                 x2 = x if x.dim() == 2 and x.is_contiguous() else (
                     x.reshape(-1, self.in_features).contiguous())  # [M, K]

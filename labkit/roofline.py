@@ -10,9 +10,9 @@ KV cache layout of the later chapters are all ways of doing more work per byte m
 
 This module holds the ceilings (datasheet presets), the FLOP and byte counts of single ops and
 of a whole model step. Two neighbours above it finish the lesson: `labkit/ceilings.py`
-measures this machine's ceilings (and times a real decode step), and `labkit/roofline_plot.py`
-draws the roofline and the interactive explorer; `python -m labkit roofline` is in
-`labkit/cli.py`.
+measures this machine's ceilings (and times a real decode step), and
+`labkit/instruments/roofline_plot.py` draws the roofline and the interactive explorer;
+`python -m labkit roofline` is in `labkit/cli.py`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ details carry the lesson:
   text back until the character is whole; its pieces always concatenate to `decode(all ids)`.
 - A GGUF file carries its tokenizer in its metadata (vocabulary, merges, special ids, chat
   template). transformers rebuilds a fast tokenizer from it in seconds, so that happens once:
-  the result is saved beside the model's weights in the cache (see `labkit.cache`).
+  the result is saved beside the model's weights in the cache (see `labkit.utils.cache`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,14 @@ from pathlib import Path
 
 import torch
 
-from labkit.cache import ModelNotInstalled, build_atomically, cache_dir, cache_entry, packaged_gguf
-from labkit.progress import progress
+from labkit.utils.cache import (
+    ModelNotInstalled,
+    build_atomically,
+    cache_dir,
+    cache_entry,
+    packaged_gguf,
+)
+from labkit.utils.progress import progress
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "smollm2_tokenizer", "tokenizer_from_gguf"]
 

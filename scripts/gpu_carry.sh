@@ -19,7 +19,7 @@ mkdir -p .gpu_carry/cache .gpu_carry/whl
 $PY - <<'PYEOF'
 import shutil
 from pathlib import Path
-from labkit.cache import cache_entry, packaged_gguf
+from labkit.utils.cache import cache_entry, packaged_gguf
 from labkit.tokenizer import tokenizer_from_gguf
 
 gguf = packaged_gguf()

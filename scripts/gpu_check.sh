@@ -100,7 +100,7 @@ QUANT=() TRITON=() IGNORE=(--ignore=tests/test_device_cuda.py)
 if [ -f labkit/quant.py ]; then
   for f in tests/test_quant*.py; do [ -f "$f" ] && QUANT+=("$f") && IGNORE+=("--ignore=$f"); done
 fi
-if [ -f labkit/attention_triton.py ]; then
+if [ -f labkit/kernels/attention_triton.py ]; then
   for f in tests/test_attention_triton*.py tests/test_triton*.py tests/test_flash_attention*.py; do
     [ -f "$f" ] && TRITON+=("$f") && IGNORE+=("--ignore=$f")
   done

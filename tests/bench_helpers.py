@@ -1,7 +1,7 @@
 """Running a benchmark's `main` the way its tests do: its JSON rows, or its exit 2 on a bad value.
 
 Every `python -m labkit bench ...` prints JSON lines on stdout with `--json` and refuses a bad
-value with exit code 2 and a line on stderr before any model loads (labkit/report.py).
+value with exit code 2 and a line on stderr before any model loads (labkit/bench/report.py).
 """
 
 import json

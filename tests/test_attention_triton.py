@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from labkit import attention_triton
+from labkit.kernels import attention_triton
 
 pytestmark = pytest.mark.cuda
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from labkit import bench
+from labkit.bench import cli as bench_cli
+from labkit.bench import generate as bench
 
 
 @pytest.mark.slow
@@ -43,9 +44,9 @@ def test_left_padding_puts_prompts_at_the_right_edge():
 
 
 def test_unknown_benchmark_exits_2(capsys):
-    assert bench.main(["nosuch"]) == 2
+    assert bench_cli.main(["nosuch"]) == 2
     assert "unknown benchmark 'nosuch'" in capsys.readouterr().err
-    assert bench.main([]) == 0 and "generate" in capsys.readouterr().out
+    assert bench_cli.main([]) == 0 and "generate" in capsys.readouterr().out
 
 
 def test_bench_decode_json_rows_are_self_consistent():
@@ -80,7 +81,7 @@ def test_bench_decode_json_rows_are_self_consistent():
 
 
 def test_bench_decode_refuses_turns_too_short_to_time(capsys):
-    from labkit import bench_decode
+    from labkit.bench import decode as bench_decode
     assert bench_decode.main(["--model", "tiny", "--segment", "3"]) == 2
     assert "--segment must be >= 4" in capsys.readouterr().err
     assert bench_decode.main(["--model", "tiny", "--tokens", "8", "--segment", "8"]) == 2
@@ -88,8 +89,8 @@ def test_bench_decode_refuses_turns_too_short_to_time(capsys):
 
 
 def test_steady_state_skips_the_fill_and_books_host_work_per_period():
-    from labkit.bench_decode import steady_ms_per_step
-    from labkit.timeline import Timeline
+    from labkit.bench.decode import steady_ms_per_step
+    from labkit.instruments.timeline import Timeline
     tl = Timeline()
     # launches at 0, 1, 5, 7, 9, 11 ms: the first two periods fill the pipeline
     for step, t in enumerate([0, 1, 5, 7, 9, 11]):
@@ -109,14 +110,14 @@ def test_steady_state_skips_the_fill_and_books_host_work_per_period():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
 def test_bench_decode_on_cuda_without_a_gpu_says_so_in_one_line(capsys):
-    from labkit import bench_decode
+    from labkit.bench import decode as bench_decode
     assert bench_decode.main(["--model", "tiny", "--device", "cuda"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "no CUDA GPU" in err, err
 
 
 def test_bench_decode_streams_0_gives_only_its_own_message(capsys):
-    from labkit import bench_decode
+    from labkit.bench import decode as bench_decode
     assert bench_decode.main(["--model", "tiny", "--streams", "0"]) == 2
     err = capsys.readouterr().err
     assert "--streams must be positive integers" in err and "--repeats" not in err, err
@@ -126,7 +127,7 @@ def test_bench_decode_streams_0_gives_only_its_own_message(capsys):
 
 
 def test_gain_share_is_the_share_of_the_predicted_gain():
-    from labkit.bench_decode import gain_share
+    from labkit.bench.decode import gain_share
     assert gain_share(1.50, 1.84) == pytest.approx(0.50 / 0.84)
     assert gain_share(1.0, 1.84) == 0.0  # a pipeline that gains nothing scores nothing
     assert gain_share(0.9, 1.5) < 0
@@ -136,14 +137,14 @@ def test_gain_share_is_the_share_of_the_predicted_gain():
 def test_the_benches_take_the_pool_and_the_step_budget(capsys):
     """--kv-tokens and --max-step-tokens on bench decode and bench generate: a bad value is one
     line and exit 2 before any model loads; a small pool still decodes (it preempts)."""
-    from labkit import bench, bench_decode
+    from labkit.bench import decode as bench_decode
 
     assert bench_decode.main(["--model", "tiny", "--kv-tokens", "0"]) == 2
     assert "--kv-tokens must be >= 1" in capsys.readouterr().err
     assert bench_decode.main(["--model", "tiny", "--max-step-tokens", "0"]) == 2
     assert "--max-step-tokens must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
-        bench.main(["generate", "--kv-tokens", "0"])
+        bench_cli.main(["generate", "--kv-tokens", "0"])
     assert exit_.value.code == 2 and "--kv-tokens" in capsys.readouterr().err
     code = bench_decode.main(["--model", "tiny", "--streams", "4", "--tokens", "24",
                               "--repeats", "1", "--segment", "4", "--kv-tokens", "160",

@@ -4,15 +4,15 @@ import json
 
 import pytest
 
-from labkit import bench
-from labkit.bench_attention import flash_bytes, naive_bytes, sdpa_bytes
+from labkit.bench import cli as bench_cli
+from labkit.bench.attention import flash_bytes, naive_bytes, sdpa_bytes
 
 FIELDS = {"phase", "seq_len", "impl", "ms", "peak_bytes", "predicted_bytes_moved",
           "max_abs_err"}
 
 
 def test_bench_attention_json_rows(capsys):
-    code = bench.main(["attention", "--seq-lens", "256,1024", "--repeats", "1",
+    code = bench_cli.main(["attention", "--seq-lens", "256,1024", "--repeats", "1",
                        "--sweep-seq-len", "256", "--json"])
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -39,5 +39,5 @@ def test_predicted_bytes_naive_quadratic_flash_linear():
 
 
 def test_bad_seq_lens_exit_2(capsys):
-    assert bench.main(["attention", "--seq-lens", "0,x"]) == 2
+    assert bench_cli.main(["attention", "--seq-lens", "0,x"]) == 2
     assert "--seq-lens" in capsys.readouterr().err

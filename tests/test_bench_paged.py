@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit import bench_paged
+from labkit.bench import paged as bench_paged
 from tests.bench_helpers import json_rows, refuses
 
 

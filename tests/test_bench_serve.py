@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from labkit import bench_serve
+from labkit.bench import serve as bench_serve
 from tests.bench_helpers import json_rows, refuses
 
 

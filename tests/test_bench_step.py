@@ -1,6 +1,6 @@
 """`bench step` on the tiny model: every phase is timed and the table is complete."""
 
-from labkit import bench_step
+from labkit.bench import step as bench_step
 from tests.bench_helpers import json_rows, refuses
 
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from labkit import check
 from labkit.attention import merge_partials, online_softmax_update
+from labkit.graders import check
 
 
 def no_rescale(m, l, acc, scores, v):  # noqa: E741

@@ -234,8 +234,8 @@ def exit_code(run, argv: list[str]) -> int:
 
 def test_prefix_of_an_option_is_rejected_not_guessed(capsys):
     """argparse's prefix matching would read --max-new-token as --max-new-tokens."""
-    from labkit import bench_decode
     from labkit.__main__ import main
+    from labkit.bench import decode as bench_decode
 
     for run, argv in ((main, ["generate", "--max-new-token", "5", "a"]),
                       (main, ["roofline", "--hard", "H100"]),

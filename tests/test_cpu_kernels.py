@@ -1,4 +1,4 @@
-"""labkit.cpu_kernels: the int8 and int4 kernels equal the dequantized reference and give a row
+"""labkit.kernels.cpu: the int8 and int4 kernels equal the dequantized reference and give a row
 the same result whatever rows share its call; QuantLinear falls back to torch's kernels without
 them. Where the CPU has AVX512-BF16, int4_linear_bf16 equals the reference on x rounded to bf16.
 The attention kernel writes k and v and attends as the naive reference does, and a token's
@@ -7,8 +7,8 @@ result does not depend on what else is in its step."""
 import pytest
 import torch
 
-from labkit import cpu_kernels
 from labkit.attention import AttentionMeta, NaiveAttention, PagedAttention
+from labkit.kernels import cpu as cpu_kernels
 from labkit.model import ModelConfig
 from labkit.paged_kv import PagedKVCache
 from labkit.quant import QuantLinear, QuantScheme

@@ -217,7 +217,7 @@ def test_dead_device_process_raises_not_hangs():
 
 
 def test_timeline_shows_the_bubble_shrink():
-    from labkit.timeline import Timeline
+    from labkit.instruments.timeline import Timeline
     engine = get_engine("inprocess")
     for decoder in DECODERS:
         engine.submit([3] * 4, SamplingParams(max_new_tokens=6, ignore_eos=True))

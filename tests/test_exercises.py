@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit import check
+from labkit.graders import check
 from tests import adapters
 
 SOLUTIONS = adapters.solutions()
@@ -35,7 +35,8 @@ def test_every_stub_has_a_grader():
         mod = importlib.import_module(f"exercises.{path.stem}")
         for name, fn in inspect.getmembers(mod, inspect.isfunction):
             if fn.__module__ == mod.__name__ and not name.startswith("_"):
-                assert name in check.EXERCISES, f"{path}::{name} has no grader in labkit/check.py"
+                assert name in check.EXERCISES, (
+                    f"{path}::{name} has no grader in labkit/graders/check.py")
 
 
 def test_the_readme_names_every_exercise_file():

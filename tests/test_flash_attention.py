@@ -157,7 +157,7 @@ def test_engine_gives_the_same_tokens_with_flash(decoder):
 
 
 def test_flash_peak_memory_grows_linearly_in_s():
-    from labkit.bench_attention import peak_bytes
+    from labkit.bench.attention import peak_bytes
 
     peaks = {}
     for s in (512, 1024, 2048):

@@ -1,8 +1,8 @@
 """The engine on the real SmolLM2: transformers' greedy tokens, batching, caches, streaming.
 
 The reference is transformers' own model read from the same GGUF file (its dequantization and
-Q/K un-permutation, not labkit's; see `labkit.bench.hf_reference_model`), run one prompt at a
-time, unpadded, greedy. labkit runs the prompts together, as a serving engine does.
+Q/K un-permutation, not labkit's; see `labkit.bench.generate.hf_reference_model`), run one
+prompt at a time, unpadded, greedy. labkit runs the prompts together, as a serving engine does.
 """
 
 import pytest
@@ -41,7 +41,7 @@ def mixed_params(n: int, new_tokens: int = 12) -> list[SamplingParams]:
 @pytest.fixture(scope="module")
 def hf():
     """transformers' SmolLM2 from the packaged GGUF, fp32 (converted once, then cached)."""
-    from labkit.bench import hf_reference_model
+    from labkit.bench.generate import hf_reference_model
 
     return hf_reference_model()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import check
+from labkit.graders import check
 
 
 def per_tensor_int8(w):

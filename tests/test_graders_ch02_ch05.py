@@ -2,11 +2,11 @@
 
 import pytest
 
-from labkit import check
-from labkit.kv_sim import CowPages
-from labkit.metrics import latency_from_times, percentile
+from labkit.graders import check
+from labkit.instruments.kv_sim import CowPages
+from labkit.instruments.serve_sim import chunk_prefills
 from labkit.paged_kv import blocks_needed
-from labkit.serve_sim import chunk_prefills
+from labkit.serving.metrics import latency_from_times, percentile
 
 
 def rejects(name, fn, *words):

@@ -2,9 +2,9 @@
 
 import pytest
 
-from labkit import check
-from labkit.bench_ablation import predict_wall
-from labkit.server import relay
+from labkit.bench.ablation import predict_wall
+from labkit.graders import check
+from labkit.serving.server import relay
 
 
 def rejects(name, fn, *words):

@@ -12,8 +12,11 @@ import pathlib
 import pytest
 import torch
 
-from labkit import bench_decode, check, sequence, timeline
+from labkit import sequence
+from labkit.bench import decode as bench_decode
 from labkit.decode_blocking import run_blocking
+from labkit.graders import check
+from labkit.instruments import timeline
 
 # ---------------------------------------------------------------------------------------------
 # chapter 00

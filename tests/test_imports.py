@@ -80,3 +80,69 @@ def test_no_import_circle_inside_labkit():
         "labkit's imports form a circle: " + " -> ".join(cycle) + ". DESIGN.md: imports flow "
         "one way. Move what both sides need into the lower module, or choose the variant in "
         "the layer above both")
+
+
+# The house's plan (README, "The map"): the engine a learner reads stands at labkit's top; the
+# tools around it live in wings; kernels and utilities sit below everything.
+WINGS = ("labkit.bench", "labkit.serving", "labkit.instruments", "labkit.graders")
+BELOW = ("labkit.kernels", "labkit.utils")
+CLI_ENTRY = {"labkit.__main__"}  # dispatches to every command, wings included
+
+
+def in_package(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def at_top(name: str) -> bool:
+    return name == "labkit" or (name.count(".") == 1 and not MODULES[name].name == "__init__.py")
+
+
+def wing_imports_at_top(modules: dict[str, set[str]]) -> list[str]:
+    """'top -> wing' for each import from a top-level module (not the CLI entry) into a wing."""
+    return [f"{name} -> {dep}" for name, deps in sorted(modules.items())
+            if at_top(name) and name not in CLI_ENTRY
+            for dep in sorted(deps) if in_package(dep, WINGS)]
+
+
+def test_nothing_at_the_top_imports_a_wing():
+    graph = {name: imports_of(path) for name, path in MODULES.items()}
+    bad = wing_imports_at_top(graph)
+    assert not bad, (
+        "the engine at labkit's top imports a wing: " + ", ".join(bad) + ". The benchmarks, "
+        "the server, the instruments and the graders use the engine; the engine never uses "
+        "them (README, 'The map'). Move what the engine needs down to the top, or the caller up")
+
+
+def test_the_checker_sees_a_top_module_importing_a_wing():
+    """The rule itself: a made-up top module that imports the server is caught; the same
+    import from the CLI entry or from another wing is allowed."""
+    fake = {n: {"labkit.serving.server"}
+            for n in ("labkit.engine", "labkit.__main__", "labkit.bench.decode")}
+    assert wing_imports_at_top(fake) == ["labkit.engine -> labkit.serving.server"]
+
+
+def test_kernels_and_utilities_import_nothing_above_them():
+    bad = [f"{name} -> {dep}" for name, path in sorted(MODULES.items())
+           if in_package(name, BELOW)
+           for dep in sorted(imports_of(path)) if not in_package(dep, BELOW)]
+    assert not bad, ("labkit.kernels and labkit.utils stand under the engine and import only "
+                     "each other: " + ", ".join(bad))
+
+
+def test_the_top_holds_the_engine_and_little_else():
+    top = sorted(n for n in MODULES if at_top(n) and n != "labkit")
+    assert len(top) <= 32, (
+        f"{len(top)} modules at labkit's top ({', '.join(top)}): the engine a learner opens "
+        "stands there; a tool around it belongs in a wing (bench, serving, instruments, "
+        "graders)")
+    for name in ("labkit.decode_blocking", "labkit.decode_pipelined", "labkit.roofline"):
+        assert name in top, f"{name} must stay at labkit's top (the design card names it)"
+
+
+def test_the_kernels_are_source_files():
+    kernels = PACKAGE / "kernels"
+    assert (kernels / "paged_attention.cpp").exists() and (kernels / "lanes.h").exists()
+    for path in PACKAGE.rglob("*.py"):  # no C++ hidden in a Python string
+        text = path.read_text()
+        assert "#include <" not in text, (
+            f"{path} holds C++ source in a string: kernels live in labkit/kernels/*.cpp")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from labkit.kv_sim import CowPages, simulate_pool, translate
-from labkit.workload import poisson_workload
+from labkit.instruments.kv_sim import CowPages, simulate_pool, translate
+from labkit.serving.workload import poisson_workload
 
 
 def test_translate():

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from labkit import cache as model_cache
 from labkit import loading
-from labkit.cache import INSTALL_COMMAND, ModelNotInstalled
 from labkit.loading import TINY_VOCAB, config_from_hf, from_hf, load_model
 from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.tokenizer import tokenizer_from_gguf
+from labkit.utils import cache as model_cache
+from labkit.utils.cache import INSTALL_COMMAND, ModelNotInstalled
 
 # `make` always installs gguf; a bare GPU image may not have it, and there only the tests
 # marked cuda run (scripts/gpu_check.sh): collecting this module must not stop them

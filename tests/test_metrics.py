@@ -4,7 +4,13 @@ import math
 
 import pytest
 
-from labkit.metrics import SLO, latency_from_times, latency_percentiles, percentile, summarize
+from labkit.serving.metrics import (
+    SLO,
+    latency_from_times,
+    latency_percentiles,
+    percentile,
+    summarize,
+)
 
 
 def ref_percentile(xs, q):  # numpy's default: linear between the closest ranks

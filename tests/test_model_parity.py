@@ -163,7 +163,7 @@ def test_smollm2_gguf_weights_match_transformers_own_gguf_decoding(smollm2):
     from transformers.integrations.gguf.reader import GgufHeader, load_gguf_state_dict
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    from labkit.cache import packaged_gguf
+    from labkit.utils.cache import packaged_gguf
 
     model, _ = smollm2
     cfg = model.cfg

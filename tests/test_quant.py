@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from labkit import cpu_kernels
 from labkit.awq import apply_awq, quantize_awq, search_scale
 from labkit.decoders import run
+from labkit.kernels import cpu as cpu_kernels
 from labkit.loading import load_model
 from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.perplexity import CausalAttention
@@ -227,7 +227,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_eval_ppl_refuses_bad_files_with_one_line(tmp_path, capsys):
     # in process (each `python -m labkit` costs seconds of imports): main() is what it runs
-    from labkit.eval_ppl import main
+    from labkit.bench.eval_ppl import main
 
     empty, binary = tmp_path / "empty.txt", tmp_path / "x.bin"
     empty.write_text("  \n")
@@ -242,7 +242,7 @@ def test_eval_ppl_refuses_bad_files_with_one_line(tmp_path, capsys):
 def test_eval_ppl_scores_a_text_quantized(tmp_path, capsys):
     import json
 
-    from labkit.eval_ppl import main
+    from labkit.bench.eval_ppl import main
 
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
@@ -268,7 +268,7 @@ def test_quant_linear_on_cuda_matches_the_reference(spec):
 def test_generate_and_bench_quant_take_the_flag(capsys):
     import json
 
-    from labkit.bench_quant import main as bench_quant_main
+    from labkit.bench.quant import main as bench_quant_main
     from labkit.cli import generate_main
 
     r = run_cli("generate", "--model", "tiny", "--quant", "int4-g64", "--max-new-tokens", "3",

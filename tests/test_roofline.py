@@ -13,8 +13,9 @@ import pytest
 matplotlib = pytest.importorskip("matplotlib")
 import torch
 
-from labkit import ceilings, claims, roofline, roofline_plot
+from labkit import ceilings, claims, roofline
 from labkit.cli import roofline_main as main
+from labkit.instruments import roofline_plot
 from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.roofline import HARDWARE, step_cost
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from labkit.metrics import latency_from_times, summarize
-from labkit.serve_sim import StepCostModel, admit_fcfs, chunk_prefills, simulate
-from labkit.workload import LengthDist, poisson_workload
+from labkit.instruments.serve_sim import StepCostModel, admit_fcfs, chunk_prefills, simulate
+from labkit.serving.metrics import latency_from_times, summarize
+from labkit.serving.workload import LengthDist, poisson_workload
 
 
 def test_admission_is_fcfs_under_pages_and_slots():

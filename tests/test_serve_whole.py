@@ -57,7 +57,7 @@ def test_the_whole_engine_serves_labkit_generates_text(whole_server):
 ])
 def test_bad_engine_flags_exit_2_before_loading(argv, words, capsys, monkeypatch):
     import labkit.loading
-    from labkit.server import serve_main
+    from labkit.serving.server import serve_main
 
     monkeypatch.setattr(labkit.loading, "load_model", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(SystemExit) as info:
@@ -66,9 +66,9 @@ def test_bad_engine_flags_exit_2_before_loading(argv, words, capsys, monkeypatch
 
 
 def test_bench_serve_url_sends_the_workload_to_a_real_server(whole_server, capsys):
-    from labkit import bench_serve
-    from labkit.openai_client import Endpoint, replay
-    from labkit.workload import poisson_workload
+    from labkit.bench import serve as bench_serve
+    from labkit.serving.client import Endpoint, replay
+    from labkit.serving.workload import poisson_workload
 
     url = f"http://127.0.0.1:{whole_server.port}"
     rc = bench_serve.main(["--url", url, "--model", "tiny", "--rate", "40", "--requests", "4",
@@ -92,7 +92,7 @@ def test_bench_serve_url_sends_the_workload_to_a_real_server(whole_server, capsy
     (["--url", "http://127.0.0.1:9", "--model", "/some/path"], "give --vocab-size"),
 ])
 def test_bench_serve_url_checks_its_arguments(argv, words, capsys):
-    from labkit import bench_serve
+    from labkit.bench import serve as bench_serve
 
     with pytest.raises(SystemExit) as info:
         bench_serve.main(argv)

@@ -8,7 +8,7 @@ import pytest
 from labkit import decoders
 from labkit.engine import Engine
 from labkit.model import LlamaModel, ModelConfig, init_random
-from labkit.workload import (
+from labkit.serving.workload import (
     OUTPUT_LENGTHS,
     PROMPT_LENGTHS,
     ArrivalFeeder,

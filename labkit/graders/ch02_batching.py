@@ -103,7 +103,7 @@ def grade_chunk_prefills(fn: Callable) -> str:
 
 def grade_latency_percentiles(fn: Callable) -> str:
     """Grade an answer to exercise `latency_percentiles` (exercises/ch02_batching.py)."""
-    from labkit.metrics import latency_percentiles, percentile
+    from labkit.serving.metrics import latency_percentiles, percentile
 
     gen = torch.Generator().manual_seed(2)
     # one long request with fast tokens and many short ones with slow tokens: percentiles

@@ -29,7 +29,7 @@ def _engine_run(loop: Callable, lengths=LENGTHS, commit_row: Callable | None = N
     commit uses it in place of labkit's. Returns (engine, request ids, lifecycle, error)."""
     from labkit import engine as engine_module
     from labkit.engine import Engine
-    from labkit.lifecycle import Lifecycle
+    from labkit.instruments.lifecycle import Lifecycle
     from labkit.sampling import SamplingParams
 
     eng = Engine(tiny_model(), None, device="inprocess", kv_tokens=1024, block_size=4,

@@ -21,7 +21,7 @@ import sys
 import time
 from collections import defaultdict
 
-from labkit.report import report_rows
+from labkit.bench.report import report_rows
 
 PHASES = ("plan", "metadata", "kv write + attention", "qkvo proj", "mlp", "head",
           "other forward", "sample", "commit")

@@ -2,10 +2,10 @@
 
 A real serving run on a CPU takes minutes; this simulation takes milliseconds, so a notebook
 slider can move the arrival rate and redraw the latency curves at once. It runs the same rules
-as labkit's scheduler on the same `labkit.workload` requests, but time comes from a cost model
-of one launch (`StepCostModel`: a fixed cost per step, mostly reading the weights, plus a cost
-per token in it) instead of from a model. **It is a cost-model simulation, not a measurement**:
-use it to see shapes and trade-offs, and `python -m labkit bench serve` for numbers.
+as labkit's scheduler on the same `labkit.serving.workload` requests, but time comes from a
+cost model of one launch (`StepCostModel`: a fixed cost per step, mostly reading the weights,
+plus a cost per token in it) instead of from a model. **It is a cost-model simulation, not a
+measurement**: use it to see shapes and trade-offs, and `python -m labkit bench serve` for numbers.
 
 Two pure rules sit at its heart, the chapter-02 exercises' reference solutions:
 
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from labkit.paged_kv import blocks_needed
-from labkit.workload import Request
+from labkit.serving.workload import Request
 
 
 def admit_fcfs(waiting: Sequence[tuple[int, int]], free_pages: int, block_size: int,

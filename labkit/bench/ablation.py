@@ -36,11 +36,11 @@ import time
 
 import torch
 
-from labkit.bench_decode import gain_share
+from labkit.bench.decode import gain_share
 from labkit.cli_parser import command_parser
 from labkit.decoders import run
+from labkit.instruments.timeline import Timeline
 from labkit.quant import weight_bytes
-from labkit.timeline import Timeline
 from labkit.whole_engine import FEATURES, EngineSetup
 
 SYSTEM_PREFIX_LEN = 48  # tokens every request shares (three 16-token pages)

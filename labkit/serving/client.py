@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from labkit.metrics import RequestLatency
-from labkit.workload import Request
+from labkit.serving.metrics import RequestLatency
+from labkit.serving.workload import Request
 
 
 @dataclass(frozen=True)

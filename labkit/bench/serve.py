@@ -1,6 +1,6 @@
 """`python -m labkit bench serve`: latency and throughput under arrivals, per batching policy.
 
-A seeded Poisson workload (`labkit.workload`: prompts of 20-400 tokens, outputs of 10-500,
+A seeded Poisson workload (`labkit.serving.workload`: prompts of 20-400 tokens, outputs of 10-500,
 long-tailed) is replayed in wall time into an engine for each setting: each `--batching`
 policy at each `--rate` and `--max-step-tokens` budget. Requests arrive between steps as their
 time comes (`ArrivalFeeder` as `engine.on_step`), greedy, each running to its stated length.
@@ -9,14 +9,14 @@ One JSON row per setting:
     {batching, rate, requests, max_step_tokens, throughput_tok_s, ttft_p50_ms, ttft_p99_ms,
      tpot_p50_ms, tpot_p99_ms, goodput}
 
-Latency percentiles are over requests (`labkit.metrics`); goodput is the share of requests
+Latency percentiles are over requests (`labkit.serving.metrics`); goodput is the share of requests
 meeting `--slo-ttft-ms` and `--slo-tpot-ms`. With `--rounds R` the settings take turns R times
 (the order reversed every other round, so a machine's drift hits all alike) and each field is
 the median over rounds; `range` holds each field's [min, max] over the rounds (the band a
 comparison must clear). Progress goes to stderr.
 
 `--url http://host:port` sends the same seeded workload over HTTP to any OpenAI-compatible
-server instead (labkit's `python -m labkit serve`, vLLM, SGLang; `labkit.openai_client`) and
+server instead (labkit's `python -m labkit serve`, vLLM, SGLang; `labkit.serving.client`) and
 reports the same row, with `batching` "url" and the server's own settings unknown (None). The
 prompts are token ids below `--vocab-size` (by default the vocabulary of `--model`).
 """
@@ -28,9 +28,9 @@ import statistics
 import sys
 import time
 
-from labkit.metrics import SLO, request_latency, summarize
-from labkit.report import report_rows
-from labkit.workload import LengthDist, poisson_workload
+from labkit.bench.report import report_rows
+from labkit.serving.metrics import SLO, request_latency, summarize
+from labkit.serving.workload import LengthDist, poisson_workload
 
 SHORT_PROMPTS = LengthDist(8, 64, median=20, sigma=0.6)  # --short: quick runs, same shape
 SHORT_OUTPUTS = LengthDist(4, 48, median=12, sigma=0.7)
@@ -85,7 +85,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="with --url: prompt ids are below this (default: --model's vocabulary)")
     args = p.parse_args(argv)
     if args.url is not None:
-        from labkit.openai_client import Endpoint
+        from labkit.serving.client import Endpoint
 
         try:
             args.endpoint = Endpoint.parse(args.url)
@@ -120,7 +120,7 @@ def serve_once(model, tok, requests, *, batching: str, max_step_tokens: int | No
     """Replay `requests` in wall time through one engine setting; the summary row."""
     from labkit.decoders import run
     from labkit.engine import Engine
-    from labkit.workload import ArrivalFeeder
+    from labkit.serving.workload import ArrivalFeeder
 
     engine = Engine(model, tok, kv_tokens=kv_tokens, max_seqs=max_seqs, device=device,
                     max_step_tokens=max_step_tokens, batching=batching)
@@ -172,7 +172,7 @@ def engine_step_s(model, *, batch: int = 4, steps: int = 32, repeats: int = 3) -
 def serve_url(args: argparse.Namespace, log=print) -> list[dict]:
     """The workload of each rate over HTTP to `args.endpoint`, `args.rounds` alternating turns;
     median rows (the same fields as an in-process run's)."""
-    from labkit.openai_client import replay
+    from labkit.serving.client import replay
 
     kw = {"prompt": SHORT_PROMPTS, "output": SHORT_OUTPUTS} if args.short else {}
     work = {r: poisson_workload(args.requests, r, seed=args.seed, vocab_size=args.vocab_size,

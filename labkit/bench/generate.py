@@ -1,6 +1,6 @@
-"""The benchmarks behind the course's tables: `python -m labkit bench SUB ...`.
+"""`python -m labkit bench generate`: labkit against transformers' `generate`.
 
-`bench generate` answers the first question anyone asks of a hand-written engine: is it any
+It answers the first question anyone asks of a hand-written engine: is it any
 faster than `transformers`? Both generate for the same 32 chat requests (varied instructions,
 `max_new_tokens` cycling 16, 32, ... 96), greedy, fp32, with the same torch thread count, in the
 same process, one right after the other after a warm-up of each (with `--rounds R`, R times,
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
+from labkit.bench.report import report_rows
 from labkit.cli_parser import add_engine_flags, command_parser, engine_kwargs
-from labkit.progress import progress
-from labkit.report import report_rows
+from labkit.utils.progress import progress
 
 # 32 short, varied instructions: the prompts of `bench generate` (each wrapped in the chat
 # template, so 30-45 tokens)
@@ -93,7 +93,7 @@ def hf_reference_model(dtype: torch.dtype = torch.float32):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from labkit.cache import build_atomically, cache_entry, packaged_gguf
+    from labkit.utils.cache import build_atomically, cache_entry, packaged_gguf
 
     gguf = packaged_gguf()
     entry = cache_entry(gguf) / "hf-reference"
@@ -291,7 +291,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
     }
 
 
-def generate_main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     """`python -m labkit bench generate`: labkit's engine against transformers' generate."""
     p = command_parser("python -m labkit bench generate",
                        "labkit against transformers' generate on the same chat requests "
@@ -335,63 +335,3 @@ def generate_main(argv: list[str]) -> int:
               f"{res['same_tokens_as_hf']}/{res['streams']} requests)")
 
     return report_rows(measure, args.json, table)
-
-
-def decode_main(argv: list[str]) -> int:
-    """`python -m labkit bench decode`: blocking against pipelined decoding."""
-    import importlib
-    import importlib.util
-
-    if importlib.util.find_spec("labkit.bench_decode") is None:
-        print("bench decode: not available yet", file=sys.stderr)
-        return 2
-    return int(importlib.import_module("labkit.bench_decode").main(argv) or 0)
-
-
-def attention_main(argv: list[str]) -> int:
-    """`python -m labkit bench attention`: naive, flash and SDPA attention."""
-    from labkit.bench_attention import main as attention_bench
-
-    return int(attention_bench(argv) or 0)
-
-
-def _lazy(module: str) -> Callable[[list[str]], int]:
-    """A subcommand whose code lives in `module` (imported only when it runs)."""
-    def main_(argv: list[str]) -> int:
-        import importlib
-
-        return int(importlib.import_module(module).main(argv) or 0)
-    return main_
-
-
-def quant_main(argv: list[str]) -> int:
-    """`python -m labkit bench quant`: fp32 against int8/int4 weights (labkit.bench_quant)."""
-    from labkit.bench_quant import main as bench_quant_main
-
-    return bench_quant_main(argv)
-
-
-SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
-    "generate": (generate_main, "labkit against transformers' generate, tokens/s"),
-    "decode": (decode_main, "blocking against pipelined decoding, ms per step"),
-    "attention": (attention_main, "naive vs flash vs SDPA attention: time, peak memory"),
-    "serve": (_lazy("labkit.bench_serve"), "TTFT, TPOT, goodput under arrivals, by batching"),
-    "paged": (_lazy("labkit.bench_paged"), "KV cache policies at equal memory: concurrency"),
-    "step": (_lazy("labkit.bench_step"), "a decode step by phase; engine step vs bare forward"),
-    "quant": (quant_main, "fp32 against int8/int4 weights: step ms, tokens/s, NLL"),
-    "ablation": (_lazy("labkit.bench_ablation"), "the whole engine, each feature off in turn"),
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Dispatch `python -m labkit bench SUB ...`; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
-        usage = "usage: python -m labkit bench SUB [ARGS ...]\n\nbenchmarks:\n" + "\n".join(
-            f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items())
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"{usage}\n\nerror: unknown benchmark {argv[0]!r}", file=sys.stderr)
-            return 2
-        print(usage)
-        return 0
-    return int(SUBCOMMANDS[argv[0]][0](argv[1:]) or 0)

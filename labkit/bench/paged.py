@@ -1,7 +1,7 @@
 """`python -m labkit bench paged`: what a KV cache policy does with the same memory.
 
 Three policies get the same KV memory (`--kv-tokens` token slots) and the same seeded
-workload (`labkit.workload`: prompts of 20-400 tokens, outputs of 10-500, long-tailed), all
+workload (`labkit.serving.workload`: prompts of 20-400 tokens, outputs of 10-500, long-tailed), all
 requests queued at once:
 
 - `contiguous`: one max-length region per sequence (`Engine(cache="contiguous")`, as many
@@ -13,8 +13,8 @@ requests queued at once:
 Every request asks for `--max-new` tokens, as a client that does not know the answer's length
 must, and stops at its sampled output length (the bench cancels it there, standing in for an
 EOS). Between steps the bench records how many sequences run and, for each, the slots it holds
-against the tokens it has written and will write (`labkit.kv_sim`'s accounting). One row per
-policy: {policy, kv_bytes, max_concurrent, throughput_tok_s, reserved_unused_pct,
+against the tokens it has written and will write (`labkit.instruments.kv_sim`'s accounting).
+One row per policy: {policy, kv_bytes, max_concurrent, throughput_tok_s, reserved_unused_pct,
 internal_waste_pct}, the percentages being time-averaged shares of the memory held. The
 `predicted_concurrent` field is `kv_sim.simulate_pool` on the same lengths.
 """
@@ -26,9 +26,9 @@ import random
 import sys
 import time
 
-from labkit.kv_sim import simulate_pool
-from labkit.report import report_rows
-from labkit.workload import OUTPUT_LENGTHS, PROMPT_LENGTHS, LengthDist, poisson_workload
+from labkit.bench.report import report_rows
+from labkit.instruments.kv_sim import simulate_pool
+from labkit.serving.workload import OUTPUT_LENGTHS, PROMPT_LENGTHS, LengthDist, poisson_workload
 
 POLICY_KWARGS = {  # the engine settings of each policy
     "contiguous": {"cache": "contiguous"},

@@ -34,7 +34,7 @@ import torch
 
 from labkit.cli_parser import add_engine_flags, command_parser, engine_kwargs
 from labkit.decoders import run
-from labkit.progress import progress
+from labkit.utils.progress import progress
 
 # Photon's published figures, for the table: (hardware, streams, blocking ms/step, pipelined
 # ms/step, the speedup as published). Source: Moondream's Photon write-up (shared/seeds). The
@@ -126,7 +126,7 @@ def submit_workload(engine, prompt_ids: list[list[int]], tokens: int,
 def run_once(engine, prompt_ids: list[list[int]], tokens: int, decoder: str,
              constraint=None) -> dict:
     """Decode the requests once with one decoder; ms/step and the counters of the run."""
-    from labkit.timeline import Timeline
+    from labkit.instruments.timeline import Timeline
 
     zombies0, rows0 = engine.zombie_rows, engine.decode_rows
     ids = submit_workload(engine, prompt_ids, tokens, constraint)
@@ -177,7 +177,7 @@ def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: i
     one after the other compare different machines. Turns of ~0.1 s put the two loops side
     by side on the same machine state; each adjacent (blocking, pipelined) pair is one sample.
     """
-    from labkit.timeline import Timeline
+    from labkit.instruments.timeline import Timeline
 
     ids = submit_workload(engine, prompt_ids, tokens, constraint)
     order = ("blocking", "pipelined") if blocking_first else ("pipelined", "blocking")

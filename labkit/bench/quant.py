@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from labkit.report import report_rows
+from labkit.bench.report import report_rows
 
 DEFAULT_SCHEMES = "int8,int4-g32,int4-g64,int4-g32-awq"
 

@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from labkit.bench.report import report_rows
 from labkit.perplexity import DEFAULT_TEXT, default_text, nll, read_text
-from labkit.report import report_rows
 
 
 def evaluate(model_name: str = "smollm2-135m", quant: str | None = None, file: str | None = None,

@@ -1,0 +1,25 @@
+// The Python module: one binding per kernel (labkit/kernels/cpu.py builds and loads it).
+#include <torch/extension.h>
+
+at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s);
+at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz);
+at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz);
+bool has_bf16_dot();
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
+                           at::Tensor write_slots, at::Tensor k, at::Tensor v, at::Tensor slots,
+                           at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
+                           double scale);
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear, "y = x W^T, W int8 codes with one scale per output row");
+  m.def("int4_linear", &int4_linear, "y = x W^T, W int4 codes with a scale and zero per group");
+  m.def("int4_linear_bf16", &int4_linear_bf16, "int4_linear on a bf16 dot product");
+  m.def("has_bf16_dot", &has_bf16_dot, "whether this build has int4_linear_bf16");
+  m.def("paged_attention", &paged_attention, "attention over the KV pool, read in place");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("rope", &rope, "rotary position embedding of each row");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+}

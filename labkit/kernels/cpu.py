@@ -1,0 +1,298 @@
+"""labkit's hand-written CPU kernels: which build this CPU gets, how it is built, and when a
+kernel may run. The kernels themselves are C++ beside this file (AVX2 + FMA intrinsics where the
+CPU has them, a scalar loop of the same structure elsewhere), for the places where torch's ops
+cost more in dispatch or conversion than in arithmetic:
+
+    lanes.h              the fixed-order lane reductions every kernel shares (batch invariance)
+    quant_linear.cpp     int8_linear, int4_linear, int4_linear_bf16
+    paged_attention.cpp  paged_attention
+    row_ops.cpp          rms_norm, rope, silu_mul
+    bindings.cpp         the Python module
+
+**int8_linear**: y = x W^T with W as int8 codes and per-row scales. torch's packed CPU kernel
+(`torch._weight_int8pack_mm`) takes bf16 activations and, on an AVX2 laptop at batch 1, spends
+~190 us on a 1 MB SmolLM2 layer matrix (5 GB/s): it is busy converting, not reading bytes. This
+kernel reads the codes once per call: for one to three rows of x it turns them into fp32 in
+registers, for more it converts three code rows at a time into a buffer that stays in L1 and
+reuses it for every row; tiles of up to 4 x 3 outputs, 8 lanes at a time; each row's scale is
+applied once, to the finished sum; each thread prefetches its next block of code rows.
+
+**int4_linear**: the same for int4 codes with a bf16 scale and zero per group of K, in
+labkit's layout (`int4_layout`: 16 codes in 8 bytes, so one load, a mask and a shift give two
+vectors of codes; a group's scale and zero in one int32). Each weight is dequantized in
+registers as q s + (z - 8 s), exactly `labkit.quant.dequantize_int4`'s value, then multiplied
+in fp32: no bf16 casts around the call, as torch's int4 kernel needs. One row of x takes 4
+code rows at a time, two or three rows take 2, more rows dequantize 3 code rows into an L1
+buffer and reuse it (measured in a SmolLM2 step against torch's kernel with its casts: 1.1x at
+1 row, 1.3x at 3, 2x at 32). A factored form (the scale applied per group, not per weight)
+did less arithmetic per weight and lost to this one inside the model.
+
+**int4_linear_bf16** (built on CPUs with AVX512-BF16): there the factored form wins, because
+the codes need not become fp32. A code 0..15 is exact in bf16, so one 16-entry lookup
+(`vpermw`) turns 32 codes into bf16, and one `vdpbf16ps` does 32 multiply-adds into fp32 sums
+against x rounded to bf16 (as torch's packed kernels round it); a group's scale and zero are
+applied once, to its sum. Lanes are 16 output rows (`int4_bf16_layout`). Measured in a SmolLM2
+int4 step on a 2-core AVX-512 machine: 1.5x faster than int4_linear at batch 1, 1.3x at 3,
+1.0x at 32. QuantLinear takes it where N is a multiple of 16 (`int4_bf16_fits`), unless
+`LABKIT_BF16_DOT=0`.
+
+**paged_attention**: each new token attends over its sequence's context by reading the K and V
+pool rows at the context's slots where they lie. The gather-then-SDPA path copies every
+sequence's context into one padded tensor first, each layer (at batch 32, context 256 on
+SmolLM2: ~2 ms a layer for the copy alone), and builds a [B, G*Tq, L] mask. Here one work item
+is a token and a KV head: its G query heads share every K and V row read; scores, a softmax
+(a vectorised exp) and the weighted sum of V, in fp32, keys in order.
+
+**rms_norm, rope, silu_mul**: a layer's small per-row ops (labkit.model calls them), one call
+each instead of 3 to 9 dispatched torch ops: at batch 1 a dispatch costs more than the work.
+
+**Batch-invariant by construction.** A row's result never depends on how many other rows share
+its step. In int8_linear and int4_linear each output y[m, n] gets its own accumulator, is
+summed over k in ascending steps of 8 lanes, reduced across lanes in one fixed order, then its
+tail added, whatever the tile shape and whether the weights came from registers or the L1
+buffer. In paged_attention each (token, KV head) runs the same code alone. The engine's claims
+need this (int4_linear_bf16: each output's group sums, then its scaled total, in one order
+for every row count): the pipelined decoder's zombie rows change a step's row count,
+chunked prefill changes which tokens share a step, and the tokens must not change. An int8
+kernel that switched paths with the row count broke exactly that (measured: see
+results/cpu-quiet-2026-12-01.md).
+
+**The build.** The kernels are compiled once per CPU kind (`torch.utils.cpp_extension.load`: a
+C++ compiler and ninja; about a minute, with a line on stderr), into a directory of labkit's
+cache named by a hash of every source file, the flags and torch's version: a change to any
+source builds anew, and two virtual environments with the same torch share one build. A build
+runs in a private directory and is renamed into place when it is complete, under a lock that the
+operating system releases when its holder dies (`flock`): a build interrupted at any moment (a
+Ctrl-C, a kernel restart in Lab, an out-of-memory kill) leaves nothing that blocks the next one,
+and a process that waits for another's build says so on stderr. Where the build fails,
+`kernels()` is None: QuantLinear keeps torch's kernel, PagedAttention gathers and runs SDPA,
+and the model runs its torch ops. `LABKIT_CPU_KERNELS=0` turns them off. While a torch mode is
+active they stand aside too (`usable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from labkit.utils.cache import cache_dir
+
+HERE = Path(__file__).parent
+# every file the build reads: the key covers them all
+SOURCES = ("lanes.h", "quant_linear.cpp", "paged_attention.cpp", "row_ops.cpp",
+           "bindings.cpp")
+# -ffp-contract=off: no FMA the source did not write, so a scalar tail sums the same way in
+# every template instance (the batch invariance above depends on it)
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
+LOCK_NOTICE_S = 3.0  # a wait for another process's build longer than this says so on stderr
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _flags() -> list[str]:
+    """Vector flags this CPU runs (the build is cached per flag set, so per CPU kind). A CPU
+    with AVX512-BF16 also gets `int4_linear_bf16` (`int4_bf16_fits` says when it serves)."""
+    cap = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
+    if cap not in ("AVX2", "AVX512"):
+        return []
+    flags = ["-mavx2", "-mfma"]
+    if cap == "AVX512" and torch.cpu._is_avx512_bf16_supported():
+        flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+    return flags
+
+
+def usable(x: torch.Tensor):
+    """The compiled module when its kernels may run on `x` now, else None: x is an fp32 CPU
+    tensor and no torch mode is active. A pybind kernel is invisible to torch's modes (a
+    dispatch trace, tests' fake CUDA and its graph capture, torch.compile), which must see
+    aten ops; with a mode on, callers take their torch path."""
+    # (called ~270 times a decode step: the cheapest checks, and the module from the dict)
+    if (not x.is_cpu or x.dtype is not torch.float32 or _function_mode_on()
+            or _dispatch_modes()):
+        return None
+    return _state["module"] if "module" in _state else kernels()
+
+
+_function_mode_on = torch._C._is_torch_function_mode_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def int4_fits(k: int, group_size: int, scale: torch.Tensor, zero: torch.Tensor) -> bool:
+    """Whether `int4_linear` can serve an int4 linear: the kernels are built, K and the group
+    are multiples of 16, and the scales and zeros are bf16 values (its layout stores bf16)."""
+    return (scale.device.type == "cpu" and k % 16 == 0 and group_size % 16 == 0
+            and bool((scale.bfloat16().float() == scale).all())
+            and bool((zero.bfloat16().float() == zero).all()) and kernels() is not None)
+
+
+def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_linear`'s operands from canonical int4 codes [N, K] (values 0..15) and bf16-valued
+    scales and zeros [N, K/G]: packed codes [N, K/2] uint8, each 16 consecutive k of a row in 8
+    bytes (byte j: k = 16b + j in the low nibble, k = 16b + 8 + j in the high one), and sz
+    [N, K/G] int32 (the bf16 scale's bits in the low half, the zero's in the high half)."""
+    n, k = codes.shape
+    q = codes.to(torch.uint8).reshape(n, k // 16, 2, 8)  # [N, blocks, low/high, 8]
+    packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    bits = lambda t: t.bfloat16().view(torch.int16).to(torch.int32) & 0xFFFF  # noqa: E731
+    return packed, (bits(scale) | (bits(zero) << 16)).contiguous()
+
+
+def int4_bf16_fits(n: int, k: int, group_size: int, scale: torch.Tensor,
+                   zero: torch.Tensor) -> bool:
+    """Whether `int4_linear_bf16` can serve an int4 linear [n, k]: whatever `int4_linear`
+    needs (`int4_fits`), and this build has the bf16 dot product (an AVX512-BF16 CPU),
+    `LABKIT_BF16_DOT` is not 0, N is a multiple of 16 (lanes are output rows), K of 32."""
+    return (os.environ.get("LABKIT_BF16_DOT", "1") != "0" and n % 16 == 0 and k % 32 == 0
+            and int4_fits(k, group_size, scale, zero) and kernels().has_bf16_dot())
+
+
+def int4_bf16_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_linear_bf16`'s operands from canonical int4 codes [N, K] (0..15) and bf16-valued
+    scales and zeros [N, K/G]: codes [N/16, 8K] uint8, for each block of 16 rows and each 4
+    consecutive k (t) 32 bytes, byte 2i+e holding row i's k = 4t+e in the low nibble and
+    k = 4t+2+e in the high one; sz [N/16, 32 K/G] int16, per block and group the 16 rows' bf16
+    scales, then their 16 zeros."""
+    n, k = codes.shape
+    ng = scale.shape[1]
+    c = codes.to(torch.uint8).reshape(n // 16, 16, k // 4, 2, 2)  # [blk, i, t, high, e]
+    c = c.permute(0, 2, 1, 4, 3)  # [blk, t, i, e, high]
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // 16, 8 * k).contiguous()
+    s, z = (t.bfloat16().view(torch.int16).reshape(n // 16, 16, ng).transpose(1, 2)
+            for t in (scale, zero))  # [blk, group, 16 rows] each
+    return packed, torch.stack([s, z], 2).reshape(n // 16, 32 * ng).contiguous()
+
+
+def kernels():
+    """The compiled module (`int8_linear`, `int4_linear`, `paged_attention`, ...), or None
+    where it cannot be built (or LABKIT_CPU_KERNELS=0 when first asked). Built once per
+    process; later calls are a lookup."""
+    if "module" in _state:
+        return _state["module"]
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _build()
+        return _state["module"]
+
+
+def _build():
+    if os.environ.get("LABKIT_CPU_KERNELS", "1") == "0":
+        return None
+    if shutil.which("ninja") is None or shutil.which(os.environ.get("CXX", "c++")) is None:
+        return None
+    flags = _flags()
+    module = _build_with(flags)
+    if module is None and "-mavx512bf16" in flags:  # an older compiler without AVX512-BF16
+        module = _build_with([f for f in flags if not f.startswith("-mavx512")])
+    if module is None:  # no working compiler: torch's kernels serve instead
+        warnings.warn("labkit's CPU kernels did not build; using torch's kernels and the "
+                      "gather-then-SDPA attention", stacklevel=3)
+    return module
+
+
+def _build_with(flags: list[str]):
+    """The kernels built with these vector flags, from the cache or compiled now; None when
+    the compiler fails."""
+    variant = "avx512bf16" if "-mavx512bf16" in flags else "avx2" if flags else "generic"
+    try:
+        return build_extension(f"labkit_kernels_{variant}", [HERE / s for s in SOURCES],
+                               [*CFLAGS, *flags], ["-fopenmp"])
+    except Exception as err:  # a compiler error: the caller falls back
+        print(f"labkit: the {variant} build of its CPU kernels failed ({type(err).__name__}: "
+              f"{str(err).splitlines()[0] if str(err) else ''})", file=sys.stderr, flush=True)
+        return None
+
+
+def build_key(sources: list[Path], cflags: list[str]) -> str:
+    """What a build depends on, hashed: every source file's bytes, the flags, torch's version
+    and the Python ABI. Never a path: two virtual environments share a build."""
+    h = hashlib.sha256()
+    for src in sources:
+        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    h.update(" ".join(cflags).encode())
+    h.update(f"torch {torch.__version__} {sys.implementation.cache_tag}".encode())
+    return h.hexdigest()[:16]
+
+
+def build_extension(name: str, sources: list[Path], cflags: list[str], ldflags: list[str],
+                    root: Path | None = None):
+    """Load the extension `name` built from `sources`, compiling it first if no complete build
+    with the same key exists under `root` (default: the cache's `kernels/`). A build runs in a
+    private directory renamed into place when complete, under an flock on `<name>.lock`."""
+    root = root or cache_dir() / "kernels"
+    root.mkdir(parents=True, exist_ok=True)
+    full = f"{name}_{build_key(sources, cflags + ldflags)}"
+    final = root / full
+    if (final / f"{full}.so").exists():
+        return _load(full, final)
+    with hold_lock(root / f"{full}.lock", f"another process's build of {full}"):
+        if (final / f"{full}.so").exists():  # built while this process waited
+            return _load(full, final)
+        for stale in root.glob(f"{full}.build-*"):  # left by a build that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        print("labkit: compiling its CPU kernels (once per machine, about a minute)...",
+              file=sys.stderr, flush=True)
+        from torch.utils.cpp_extension import load
+
+        private = Path(tempfile.mkdtemp(prefix=f"{full}.build-", dir=root))
+        try:
+            module = load(full, sources=[str(s) for s in sources if s.suffix != ".h"],
+                          extra_cflags=list(cflags), extra_ldflags=list(ldflags),
+                          extra_include_paths=sorted({str(s.parent) for s in sources}),
+                          build_directory=str(private))
+            os.replace(private, final)  # atomic: a reader sees no build or a complete one
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+    sys.modules[full] = module
+    return module
+
+
+def _load(name: str, directory: Path):
+    if name in sys.modules:  # loaded already in this process (torch's `load` imports it)
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, directory / f"{name}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+@contextlib.contextmanager
+def hold_lock(path: Path, what: str, notice_s: float = LOCK_NOTICE_S):
+    """An exclusive lock on `path` that the operating system releases when its holder dies (a
+    killed build never blocks anyone); a wait longer than `notice_s` says on stderr what it
+    waits for."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the private build directory alone keeps builds apart
+        yield
+        return
+    with open(path, "a+") as f:
+        start, told = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not told and time.monotonic() - start > notice_s:
+                    print(f"labkit: waiting for {what} to finish (lock {path}; a process "
+                          "that dies releases it)", file=sys.stderr, flush=True)
+                    told = True
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

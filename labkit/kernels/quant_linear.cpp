@@ -1,0 +1,432 @@
+// The quantized linears, y = x W^T with W stored in fewer bits: int8_linear (int8 codes, one
+// fp32 scale per output row), int4_linear (4-bit codes, a bf16 scale and zero per group of K)
+// and int4_linear_bf16 (the same on a bf16 dot product, AVX512-BF16 CPUs). int4_linear's many-
+// row path reuses int8_linear's fp32 tiles on codes it dequantized into an L1 buffer.
+#include "lanes.h"
+
+// ---- int8 ----
+
+// 8 weights as fp32: from an fp32 buffer, or straight from int8 codes (exact either way)
+#ifdef __AVX2__
+static inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+static inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+#endif
+
+// RM rows of x against RN weight rows (fp32 values, or int8 codes W): out[i][j] = sum_k
+// x[i][k] * w[j][k]. Every output: one accumulator, k ascending by 8, a fixed lane reduction,
+// then the tail; whatever W and the tile shape, the same operations on the same values.
+template <int RM, int RN, class W>
+static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y,
+                        int64_t ldy) {
+  const int64_t K8 = K - K % 8;
+#ifdef __AVX2__
+  __m256 acc[RM][RN];
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[RN];
+    for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * K + k);
+    for (int i = 0; i < RM; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) {
+      float s = lanes_sum(acc[i][j]);
+      for (int64_t k = K8; k < K; ++k) s += x[i * ldx + k] * (float)w[j * K + k];
+      y[i * ldy + j] = s;
+    }
+#else
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) {
+      float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t k = 0; k < K8; k += 8)
+        for (int l = 0; l < 8; ++l) lane[l] += x[i * ldx + k + l] * (float)w[j * K + k + l];
+      float s = sum8(lane);
+      for (int64_t k = K8; k < K; ++k) s += x[i * ldx + k] * (float)w[j * K + k];
+      y[i * ldy + j] = s;
+    }
+#endif
+}
+
+template <int RN, class W>
+static void rows(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile<4, RN>(x + m * K, K, w, K, y + m * N, N);
+  switch (M - m) {
+    case 3: tile<3, RN>(x + m * K, K, w, K, y + m * N, N); break;
+    case 2: tile<2, RN>(x + m * K, K, w, K, y + m * N, N); break;
+    case 1: tile<1, RN>(x + m * K, K, w, K, y + m * N, N); break;
+    default: break;
+  }
+}
+
+// y [M, N] = x [M, K] (fp32, contiguous) times int8 codes q [N, K] and per-row scales s [N]:
+// y[m, n] = (sum_k x[m, k] q[n, k]) * s[n], the scale once per output, not once per weight.
+// One to three rows of x read the codes straight into registers, 6 weight rows at a time
+// (independent sums in flight); more rows convert 3 code rows at a time into an fp32 buffer
+// that stays in L1 and reuse it for every row of x, in tiles of up to 4 x 3 (12 accumulators,
+// 3 weights, 1 x: 16 registers). Both give every output the same sums of the same values.
+at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.size(1) == K && s.numel() == N && q.is_contiguous() && x.is_contiguous(),
+              "int8_linear: x [M, K], q [N, K], s [N]");
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t RN = M < 4 ? 6 : 3;
+  const int64_t nblocks = (N + RN - 1) / RN;
+  at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
+    std::vector<float> w(M < 4 ? 0 : RN * K);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
+      if (b + 1 < b1) {  // ask for this thread's next block now: its rows arrive while
+        // this one is multiplied (measured, a SmolLM2 int8 step at batch 1: 1.27x faster)
+        const char* next = reinterpret_cast<const char*>(qp + (n0 + RN) * K);
+        for (int64_t off = 0; off < RN * K; off += 64) __builtin_prefetch(next + off, 0, 3);
+      }
+      if (M < 4 && rn == 6) {
+        rows<6>(xp, M, K, qp + n0 * K, yp + n0, N);
+      } else if (M < 4) {
+        for (int64_t j = 0; j < rn; ++j) rows<1>(xp, M, K, qp + (n0 + j) * K, yp + n0 + j, N);
+      } else {
+        for (int64_t j = 0; j < rn; ++j) {  // the codes as fp32 (exact), unscaled
+          const int8_t* row = qp + (n0 + j) * K;
+          float* wr = w.data() + j * K;
+          for (int64_t k = 0; k < K; ++k) wr[k] = (float)row[k];
+        }
+        if (rn == 3) {
+          rows<3>(xp, M, K, w.data(), yp + n0, N);
+        } else {
+          for (int64_t j = 0; j < rn; ++j) rows<1>(xp, M, K, w.data() + j * K, yp + n0 + j, N);
+        }
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < rn; ++j) yp[m * N + n0 + j] *= sp[n0 + j];
+    }
+  });
+  return y;
+}
+
+// ---- int4: y = x W^T with W as 4-bit codes and a bf16 scale and zero per group of K ----
+// codes [N, K/2] uint8 in labkit's kernel layout: each 16 consecutive k of a row are 8 bytes,
+// byte j holding k = 16b + j in its low nibble and k = 16b + 8 + j in its high one (so one
+// 8-byte load and a widen give two vectors of 8 lanes: the mask is the low k, a shift the high).
+// sz [N, K/G] int32: a group's bf16 scale in the low half, its bf16 zero in the high half.
+// A weight is w = (q - 8) s + z, computed as q s + (z - 8 s) in one multiply-add: q s is exact
+// (4 bits times bf16's 8), and so is z - 8 s for bf16 values within 2^15 of each other, so it
+// rounds once, to dequantize_int4's fp32 value (tests/test_quant.py reads the weights back).
+static inline void group_sb(uint32_t u, float* s, float* b) {
+  const uint32_t sb = u << 16, zb = u & 0xFFFF0000u;
+  float sf, zf;
+  std::memcpy(&sf, &sb, 4);
+  std::memcpy(&zf, &zb, 4);
+  *s = sf;
+  *b = zf - 8.0f * sf;
+}
+
+// RN code rows dequantized into w [RN, K] (fp32, what the register path computes in place)
+static void dequant_rows(const uint8_t* c, const uint32_t* sz, int64_t K, int64_t G, int RN,
+                         float* w) {
+  const int64_t ng = K / G;
+  for (int j = 0; j < RN; ++j)
+    for (int64_t g = 0; g < ng; ++g) {
+      float s, b;
+      group_sb(sz[j * ng + g], &s, &b);
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+        const uint8_t* p = c + j * (K / 2) + k / 2;
+#ifdef __AVX2__
+        const __m256i v =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        const __m256 sv = _mm256_set1_ps(s), bv = _mm256_set1_ps(b);
+        _mm256_storeu_ps(w + j * K + k, _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), sv, bv));
+        _mm256_storeu_ps(w + j * K + k + 8, _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), sv, bv));
+#else
+        for (int l = 0; l < 8; ++l) {
+          w[j * K + k + l] = (float)(p[l] & 15) * s + b;
+          w[j * K + k + 8 + l] = (float)(p[l] >> 4) * s + b;
+        }
+#endif
+      }
+    }
+}
+
+// RM rows of x against RN code rows, the weights dequantized in registers: every output the
+// same operations on the same values as tile<RM, RN> over dequant_rows' buffer (k ascending by
+// 8 into one accumulator, the fixed lane reduction; K % 16 == 0, so no tail).
+template <int RM, int RN>
+static inline void tile4(const float* x, int64_t ldx, const uint8_t* c, const uint32_t* sz,
+                         int64_t K, int64_t G, float* y, int64_t ldy) {
+  const int64_t ng = K / G;
+#ifdef __AVX2__
+  __m256 acc[RM][RN];
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (int64_t g = 0; g < ng; ++g) {
+    float s[RN], b[RN];
+    for (int j = 0; j < RN; ++j) group_sb(sz[j * ng + g], &s[j], &b[j]);
+    for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+      __m256i v[RN];
+      for (int j = 0; j < RN; ++j)
+        v[j] = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j * (K / 2) + k / 2)));
+      for (int h = 0; h < 2; ++h)  // the low nibbles (k..k+7), then the high (k+8..k+15)
+        for (int j = 0; j < RN; ++j) {
+          const __m256 w = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(h ? _mm256_srli_epi32(v[j], 4) : _mm256_and_si256(v[j], mask)),
+              _mm256_set1_ps(s[j]), _mm256_set1_ps(b[j]));
+          for (int i = 0; i < RM; ++i)
+            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * ldx + k + 8 * h), w, acc[i][j]);
+        }
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) y[i * ldy + j] = lanes_sum(acc[i][j]);
+#else
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) {
+      float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t g = 0; g < ng; ++g) {
+        float s, b;
+        group_sb(sz[j * ng + g], &s, &b);
+        for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+          const uint8_t* p = c + j * (K / 2) + k / 2;
+          for (int l = 0; l < 8; ++l) lane[l] += x[i * ldx + k + l] * ((float)(p[l] & 15) * s + b);
+          for (int l = 0; l < 8; ++l)
+            lane[l] += x[i * ldx + k + 8 + l] * ((float)(p[l] >> 4) * s + b);
+        }
+      }
+      y[i * ldy + j] = sum8(lane);
+    }
+#endif
+}
+
+// one to three rows of x against RN code rows, the codes dequantized once for all of them
+template <int RN>
+static void rows4(const float* x, int64_t M, int64_t K, int64_t G, const uint8_t* c,
+                  const uint32_t* sz, float* y, int64_t N) {
+  switch (M) {
+    case 3: tile4<3, RN>(x, K, c, sz, K, G, y, N); break;
+    case 2: tile4<2, RN>(x, K, c, sz, K, G, y, N); break;
+    case 1: tile4<1, RN>(x, K, c, sz, K, G, y, N); break;
+    default: break;
+  }
+}
+
+// y [M, N] = x [M, K] (fp32, contiguous) times int4 codes [N, K/2] (the layout above) with
+// group scales and zeros sz [N, K/G]. One to three rows of x dequantize the codes in registers
+// (one row: 4 code rows at a time; two or three: 2, or their accumulators spill); more rows
+// dequantize 3 code rows into an fp32 buffer that stays in L1 and reuse it for every row, in
+// tiles of up to 4 x 3. Both give every output the same sums.
+at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz) {
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(K % 16 == 0 && codes.size(1) == K / 2 && sz.size(0) == N && sz.size(1) > 0 &&
+                  K % sz.size(1) == 0 && (K / sz.size(1)) % 16 == 0 && codes.is_contiguous() &&
+                  sz.is_contiguous() && x.is_contiguous() && codes.scalar_type() == at::kByte &&
+                  sz.scalar_type() == at::kInt,
+              "int4_linear: x [M, K], codes [N, K/2] uint8, sz [N, K/G] int32, K % 16 == 0, "
+              "G % 16 == 0");
+  const int64_t G = K / sz.size(1), ng = sz.size(1);
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint32_t* sp = reinterpret_cast<const uint32_t*>(sz.data_ptr<int32_t>());
+  float* yp = y.data_ptr<float>();
+  const int64_t RN = M == 1 ? 4 : M < 4 ? 2 : 3;
+  const int64_t nblocks = (N + RN - 1) / RN;
+  at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
+    std::vector<float> w(M < 4 ? 0 : RN * K);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
+      if (b + 1 < b1) {  // this thread's next block, asked for now (as in int8_linear)
+        const char* next = reinterpret_cast<const char*>(cp + (n0 + RN) * (K / 2));
+        for (int64_t off = 0; off < RN * (K / 2); off += 64) __builtin_prefetch(next + off, 0, 3);
+        __builtin_prefetch(sp + (n0 + RN) * ng, 0, 3);
+      }
+      const uint8_t* c = cp + n0 * (K / 2);
+      const uint32_t* s = sp + n0 * ng;
+      if (M < 4 && rn == 4) {
+        rows4<4>(xp, M, K, G, c, s, yp + n0, N);
+      } else if (M < 4 && rn == 2) {
+        rows4<2>(xp, M, K, G, c, s, yp + n0, N);
+      } else if (M < 4) {
+        for (int64_t j = 0; j < rn; ++j)
+          rows4<1>(xp, M, K, G, c + j * (K / 2), s + j * ng, yp + n0 + j, N);
+      } else {
+        dequant_rows(c, s, K, G, (int)rn, w.data());
+        if (rn == 3) {
+          rows<3>(xp, M, K, w.data(), yp + n0, N);
+        } else {
+          for (int64_t j = 0; j < rn; ++j) rows<1>(xp, M, K, w.data() + j * K, yp + n0 + j, N);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// ---- int4 on a bf16 dot product (AVX512-BF16 CPUs: the build for them defines it) ----
+// Where the CPU multiplies bf16 pairs into fp32 sums (vdpbf16ps: 32 multiply-adds an
+// instruction), int4 need not become fp32 at all: a code 0..15 is exact in bf16, so a 16-entry
+// lookup (vpermw) turns 32 codes into bf16 in one instruction, and the group's scale and zero
+// are applied once per group: y[m, n] = sum_g s[n,g] sum_{k in g} x'[m,k] q[n,k]
+//                                            + (z[n,g] - 8 s[n,g]) sum_{k in g} x'[m,k],
+// x' being x rounded to bf16 (the only rounding the fp32 kernel does not make; torch's packed
+// kernels round x the same way). Lanes are 16 output rows, not 16 k: codes [N/16, K/4, 32]
+// uint8, byte 2i+e of a (row block, k/4) holding row i's k = 4t+e in its low nibble and
+// k = 4t+2+e in its high one (`int4_bf16_layout`), so one 32-byte load, a widen, a mask and a
+// shift give the (k, k+1) pairs of 16 rows for two dot products; sz [N/16, K/G, 32] int16: a
+// group's 16 bf16 scales, then its 16 zeros. Each output: pairs (4t, 4t+1) into one group
+// sum, (4t+2, 4t+3) into another, added at the group's end, scaled, its zero term added, in
+// that order whatever the number of rows: batch-invariant as the fp32 kernels are.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+static constexpr bool kBf16Dot = true;
+
+// RM rows of x against RB blocks of 16 output rows (several blocks: independent sums in flight
+// when there are few rows of x; the sums themselves are the same for every RB and RM)
+template <int RB, int RM>
+static inline void bf16_block(const uint32_t* xb, const float* xs, int64_t K, int64_t ng,
+                              int64_t G, const uint8_t* c, const uint16_t* sz, float* y,
+                              int64_t ldy) {
+  const __m512i table = _mm512_set_epi16(  // bf16 of 0..15 (entries 16..31 unused)
+      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130,
+      0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i lo = _mm512_set1_epi16(15);
+  const int64_t cs = K * 8, ss = ng * 32, kg = G / 4;  // a block's bytes of codes, of sz
+  __m512 acc[RM][RB];
+  for (int i = 0; i < RM; ++i)
+    for (int r = 0; r < RB; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 a0[RM][RB], a1[RM][RB];  // the group's sums: pairs (4t, 4t+1), pairs (4t+2, 4t+3)
+    for (int i = 0; i < RM; ++i)
+      for (int r = 0; r < RB; ++r) a0[i][r] = a1[i][r] = _mm512_setzero_ps();
+    for (int64_t t = g * kg; t < (g + 1) * kg; ++t)
+      for (int r = 0; r < RB; ++r) {
+        const __m512i b = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * cs + t * 32)));
+        const __m512i w0 = _mm512_permutexvar_epi16(_mm512_and_si512(b, lo), table);
+        const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+        for (int i = 0; i < RM; ++i) {
+          const uint32_t* xr = xb + i * (K / 2) + 2 * t;
+          a0[i][r] = _mm512_dpbf16_ps(a0[i][r], (__m512bh)w0,
+                                      (__m512bh)_mm512_set1_epi32((int)xr[0]));
+          a1[i][r] = _mm512_dpbf16_ps(a1[i][r], (__m512bh)w1,
+                                      (__m512bh)_mm512_set1_epi32((int)xr[1]));
+        }
+      }
+    for (int r = 0; r < RB; ++r) {
+      const uint16_t* p = sz + r * ss + g * 32;
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
+      const __m512 bz = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), s, z);  // z - 8 s, exact
+      for (int i = 0; i < RM; ++i) {
+        acc[i][r] = _mm512_fmadd_ps(_mm512_add_ps(a0[i][r], a1[i][r]), s, acc[i][r]);
+        acc[i][r] = _mm512_fmadd_ps(bz, _mm512_set1_ps(xs[i * ng + g]), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int r = 0; r < RB; ++r) _mm512_storeu_ps(y + i * ldy + r * 16, acc[i][r]);
+}
+
+// up to 8 rows of x (they share each decoded code vector) against RB blocks
+template <int RB>
+static inline void bf16_rows(const uint32_t* xb, const float* xs, int64_t M, int64_t K,
+                             int64_t ng, int64_t G, const uint8_t* c, const uint16_t* sz,
+                             float* y, int64_t N) {
+  for (int64_t m = 0; m < M; m += 8) {
+    const uint32_t* xq = xb + m * K / 2;
+    const float* xsq = xs + m * ng;
+    float* yq = y + m * N;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 8: bf16_block<RB, 8>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      case 7: bf16_block<RB, 7>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      case 6: bf16_block<RB, 6>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      case 5: bf16_block<RB, 5>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      case 4: bf16_block<RB, 4>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      case 3: bf16_block<RB, 3>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      case 2: bf16_block<RB, 2>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+      default: bf16_block<RB, 1>(xq, xsq, K, ng, G, c, sz, yq, N); break;
+    }
+  }
+}
+
+// y [M, N] = x [M, K] (fp32) times the int4 codes in int4_bf16_layout. One row of x takes 4
+// blocks of 16 output rows at a time, two or three rows take 2, more take 1.
+at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz) {
+  const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0), N = NB * 16;
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && sz.dim() == 2 && K % 32 == 0 &&
+                  codes.size(1) == K * 8 && sz.size(0) == NB && sz.size(1) % 32 == 0 &&
+                  sz.size(1) > 0 && K % (sz.size(1) / 32) == 0 &&
+                  (K / (sz.size(1) / 32)) % 4 == 0 && x.is_contiguous() &&
+                  codes.is_contiguous() && sz.is_contiguous() &&
+                  x.scalar_type() == at::kFloat && codes.scalar_type() == at::kByte &&
+                  sz.scalar_type() == at::kShort,
+              "int4_linear_bf16: x [M, K] fp32, codes [N/16, 8K] uint8, sz [N/16, 32 K/G] "
+              "int16, K % 32 == 0, G % 4 == 0");
+  const int64_t ng = sz.size(1) / 32, G = K / ng;
+  auto y = at::empty({M, N}, x.options());
+  // x rounded to bf16 once per call (pairs as uint32), and each group's sum of those values
+  std::vector<uint32_t> xb(M * K / 2);
+  std::vector<float> xs(M * ng);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; k += 32)
+      _mm512_storeu_si512(xb.data() + (m * K + k) / 2,
+                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xp + m * K + k + 16),
+                                                       _mm512_loadu_ps(xp + m * K + k)));
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(xb.data() + m * K / 2);
+    for (int64_t g = 0; g < ng; ++g) {
+      float sum = 0.0f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+        const uint32_t u = (uint32_t)h[k] << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        sum += f;
+      }
+      xs[m * ng + g] = sum;
+    }
+  }
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<int16_t>());
+  float* yp = y.data_ptr<float>();
+  const int64_t cs = K * 8, ss = ng * 32, RB = M == 1 ? 4 : M < 4 ? 2 : 1;
+  const int64_t nitems = (NB + RB - 1) / RB;
+  const uint32_t* xq = xb.data();
+  const float* xsq = xs.data();
+  at::parallel_for(0, nitems, 2, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * RB, rb = std::min<int64_t>(RB, NB - r0);
+      if (rb == 4) {
+        bf16_rows<4>(xq, xsq, M, K, ng, G, cp + r0 * cs, sp + r0 * ss, yp + r0 * 16, N);
+      } else if (rb == 2) {
+        bf16_rows<2>(xq, xsq, M, K, ng, G, cp + r0 * cs, sp + r0 * ss, yp + r0 * 16, N);
+      } else {  // one block at a time (and the last, short item of 4)
+        for (int64_t r = r0; r < r0 + rb; ++r)
+          bf16_rows<1>(xq, xsq, M, K, ng, G, cp + r * cs, sp + r * ss, yp + r * 16, N);
+      }
+    }
+  });
+  return y;
+}
+#else
+static constexpr bool kBf16Dot = false;
+
+at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz) {
+  TORCH_CHECK(false, "int4_linear_bf16: this build has no bf16 dot product (AVX512-BF16)");
+  return x;
+}
+#endif
+
+bool has_bf16_dot() { return kBf16Dot; }
