@@ -30,21 +30,18 @@ def solutions() -> dict[str, Callable]:
     from labkit import (
         attention,
         awq,
-        bench_ablation,
-        bench_decode,
         decode_pipelined,
-        kv_sim,
-        metrics,
         model,
         paged_kv,
         quant,
         roofline,
         sampling,
         sequence,
-        serve_sim,
-        server,
-        timeline,
     )
+    from labkit.bench import ablation as bench_ablation
+    from labkit.bench import decode as bench_decode
+    from labkit.instruments import kv_sim, serve_sim, timeline
+    from labkit.serving import metrics, server
 
     return {
         # chapter 00
