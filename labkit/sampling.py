@@ -155,8 +155,19 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab_size: int) ->
     key = _mix32(key ^ _mix32(_as_int32(((counter & _M32) + 0x6A09E667) & _M32)))  # [B]
     vocab = torch.arange(vocab_size, device=seed.device, dtype=torch.int32)
     h = _mix32(key[:, None] + vocab[None, :] * _signed(0x9E3779B1))  # [B, V]
-    # 24 bits: exact in float32, never 0 or 1
-    return (((h >> 8) & 0xFFFFFF).float() + 0.5) / float(1 << 24)
+    return hash_to_unit(h)
+
+
+def hash_to_unit(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int32) -> float32 strictly inside (0, 1), every one of them.
+
+    The top 23 bits m give (m + 0.5) / 2^23: m + 0.5 < 2^23 needs 24 significant bits, which
+    float32 has, so every value is exact, the largest 1 - 2^-24 and the smallest 2^-24. (24 bits
+    would not do: (2^24 - 1) + 0.5 needs 25 and rounds to 2^24, a draw of exactly 1.0, whose
+    Gumbel noise is +inf: a filtered token's -inf plus +inf is NaN, and argmax picks the NaN.)
+    """
+    # h: [...] int32; `(h >> 9) & mask` is the logical shift of the unsigned bits
+    return (((h >> 9) & 0x7FFFFF).float() + 0.5) / float(1 << 23)
 
 
 def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -196,5 +207,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | N
     if batch.any_top_p:
         scaled = top_p_filter(scaled, batch.top_p)
     gumbel = -torch.log(-torch.log(uniform_noise(batch.seed, batch.counter, logits.shape[1])))
-    sampled = (scaled + gumbel).argmax(dim=-1)  # Gumbel-max: a draw from softmax(scaled)
+    # Gumbel-max: a draw from softmax(scaled). The noise is finite (hash_to_unit), and a token
+    # that a filter or a mask removed stays at -inf whatever its noise: it is never drawn
+    noisy = torch.where(scaled == float("-inf"), scaled, scaled + gumbel)
+    sampled = noisy.argmax(dim=-1)
     return torch.where(batch.temperature > 0, sampled, greedy_tokens)

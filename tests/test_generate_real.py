@@ -134,3 +134,26 @@ def test_bad_input_is_refused_and_the_engine_stays_clean(engine, prompt, make_pa
     ok = labkit.generate("Hi", SamplingParams(max_new_tokens=2), engine=engine)
     assert len(ok[0].output_ids) == 2  # and the engine still works
     engine.check_all_released()
+
+
+@pytest.mark.parametrize("decoder", ["blocking", "pipelined"])
+def test_top_k_1_and_a_choice_hold_for_every_seed_on_smollm2(engine, decoder):
+    """The review's reproducers, and every seed around them: top_k = 1 answers as greedy does
+    ("The capital of France is" with seed 75 answered " lactose"), and a yes/no choice answers
+    yes or no (seed 63 emitted " veniles"): a filtered or masked token is never sampled."""
+    prompt = "The capital of France is"
+    greedy = labkit.generate(prompt, SamplingParams(max_new_tokens=3), engine=engine,
+                             decoder=decoder)[0].output_ids
+    seeds = range(96)
+    outs = labkit.generate([prompt] * len(seeds), [
+        SamplingParams(max_new_tokens=3, temperature=1.0, top_k=1, seed=s) for s in seeds],
+        engine=engine, decoder=decoder)
+    wrong = [(s, o.text) for s, o in zip(seeds, outs) if o.output_ids != greedy]
+    assert not wrong, f"top_k=1 differed from greedy {greedy}: (seed, text) {wrong[:4]}"
+    question = "Is Paris in France? Answer yes or no."
+    outs = labkit.generate([question] * len(seeds), [
+        SamplingParams(max_new_tokens=4, temperature=1.0, seed=s) for s in seeds],
+        engine=engine, decoder=decoder, chat=True,
+        constraints=[{"choice": ["yes", "no"]}] * len(seeds))
+    bad = [(s, o.text) for s, o in zip(seeds, outs) if o.text.strip() not in ("yes", "no")]
+    assert not bad, f"a choice constraint emitted a masked token: (seed, text) {bad[:4]}"
