@@ -168,14 +168,14 @@ class Scheduler:
         budget = self.max_step_tokens or 1 << 62
         rows: list[Row] = []
         planned: set[int] = set()
-        batch_live = any(not s.finalized and not s.preempted for s in self.running)
-        for s in list(self.running):  # 1. decode rows (and padding), arrival order
-            if s.preempted or s.released:
-                continue
-            if s.finalized:
-                if self.batching == "static" and batch_live:
-                    rows.append(Row(s, 0, 1, False, False, pad=True))
-                    budget -= 1
+        static = self.batching == "static"
+        # a static batch's finished members ride along as padding, a token each of the budget;
+        # their rows are added last, once the live rows are planned (a preemption while
+        # planning can end the batch and release them)
+        padding = [s for s in self.running if static and s.finalized and not s.released]
+        budget -= len(padding)
+        for s in list(self.running):  # 1. decode rows, arrival order
+            if s.preempted or s.released or s.finalized:
                 continue
             if not s.decoding or not self._grow(s, s.num_cached + 1, planned):
                 continue
@@ -183,7 +183,6 @@ class Scheduler:
             planned.add(s.request_id)
             budget -= 1
             self._written(rows[-1])
-        static = self.batching == "static"
         if static and not self.running:  # a static batch is admitted whole, then runs until
             while self._admit_one() is not None:  # every member has left
                 pass
@@ -206,6 +205,8 @@ class Scheduler:
             planned.add(s.request_id)
             budget -= n
             self._written(rows[-1])
+        if rows:  # padding beside live rows only: a step of padding alone computes nothing
+            rows += [Row(s, 0, 1, False, False, pad=True) for s in padding if not s.released]
         return rows
 
     def _written(self, r: Row) -> None:

@@ -353,3 +353,40 @@ def test_cached_prefix_pages_are_evicted_when_the_pool_needs_them():
     assert len(e.scheduler.prefix) > 0  # their pages stay cached at refcount 0
     big = [(list(range(20, 20 + 3 * BS)), SamplingParams(max_new_tokens=6), 0, None)]
     assert len(run_workload(e, "blocking", big)[0][0]) == 6  # evicted to make room
+
+
+# -- static batching with pages on demand (the capstone's own ablation) --------------------------
+
+@pytest.mark.parametrize("device", ["inprocess", "process"])
+@pytest.mark.parametrize("decoder", DECODERS)
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_static_batches_on_a_small_pool_give_the_large_pool_tokens(device, decoder, seed):
+    """The random-workload test of continuous batching, for static batches whose pages come
+    on demand: a member that needs a page a finished member holds, or the batch's last live
+    member preempted after padding rows are planned, must neither livelock nor crash."""
+    from tests.deadline import deadline
+
+    reqs = workload(20 + seed)
+    want = run_workload(get_engine("inprocess", **REFERENCE), decoder, reqs)
+    e = get_engine(device, kv_tokens=7 * BS, max_step_tokens=12, batching="static")
+    with deadline(120, f"static batching on a small pool (seed {seed}, {decoder})"):
+        got = run_workload(e, decoder, reqs)
+    same_tokens(got, want)
+    assert e.stats.padding_rows > 0, "no member finished before its batch: proves nothing"
+    assert e.stats.steps < 2000, f"{e.stats.steps} steps for {len(reqs)} requests: padding spun"
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_a_static_member_waiting_for_a_finished_members_pages_still_runs(decoder):
+    """Two members on a 4-page pool: A finishes holding 3 pages, B's prefill needs 2. B must
+    still get its tokens (not thousands of padding-only steps)."""
+    from tests.deadline import deadline
+
+    a = ([3 + i for i in range(2 * BS)], SamplingParams(max_new_tokens=BS, ignore_eos=True))
+    b = ([50 + i for i in range(2 * BS - 2)], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    want = run_workload(get_engine(**REFERENCE), decoder, [(*a, 0, None), (*b, 0, None)])
+    e = get_engine(kv_tokens=4 * BS, max_step_tokens=BS, batching="static",
+                   prefix_caching=False)
+    with deadline(60, "a static member waiting for a finished member's pages"):
+        got = run_workload(e, decoder, [(*a, 0, None), (*b, 0, None)])
+    assert got == want and e.stats.steps < 200, e.stats.steps
