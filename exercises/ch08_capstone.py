@@ -23,9 +23,11 @@ def relay(next_event, is_disconnected, cancel, poll_s: float = 0.25):
 
     `next_event(timeout)` returns ("text", piece), ("done", completion), or None when nothing
     came within `timeout` seconds. Append each piece; on ("done", value) return
-    (pieces, value). When nothing came, ask `is_disconnected()`: if the client has gone, call
-    `cancel()` exactly once and return None. Never cancel a request that has finished: the
-    engine has already released its pages, and a second release is the double free on abort.
+    (pieces, value). After each piece, and whenever nothing came, ask `is_disconnected()`
+    (while tokens flow nothing is ever quiet, so asking only when idle never asks): if the
+    client has gone, call `cancel()` exactly once and return None. Never cancel a request that
+    has finished: the engine has already released its pages, and a second release is the
+    double free on abort.
     labkit's version: `labkit.serving.server.relay`.
     """
     raise NotImplementedError("relay: see the docstring for the task")

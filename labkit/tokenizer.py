@@ -95,7 +95,7 @@ class Tokenizer:
         """Token ids of `text`; with chat=True, wrapped as one user turn of the chat template."""
         if chat:
             return self.encode_chat([{"role": "user", "content": text}])
-        return self._fold(list(self.hf.encode(text)))
+        return self._fold(list(self.hf.encode(_encodable(text, "the text"))))
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation ({"role", "content"} dicts) in the chat template, ending
@@ -103,6 +103,9 @@ class Tokenizer:
         if not self.hf.chat_template:
             raise ValueError("this tokenizer has no chat template: call encode(text) "
                              "without chat=True, or load an instruct model")
+        for i, message in enumerate(messages):
+            if isinstance(message.get("content"), str):
+                _encodable(message["content"], f"messages[{i}].content")
         prompt = self.hf.apply_chat_template(messages, add_generation_prompt=True,
                                              tokenize=False)
         # the template writes the special tokens itself
@@ -121,6 +124,18 @@ class Tokenizer:
     def detokenizer(self) -> IncrementalDetokenizer:
         """A fresh streaming decoder: its pushes concatenate to decode(all ids pushed)."""
         return IncrementalDetokenizer(self.decode)
+
+
+def _encodable(text: str, where: str) -> str:
+    """`text` itself, or a ValueError if UTF-8 cannot encode it (a lone surrogate, which JSON's
+    "\\ud800" and Python strings allow; the tokenizer works on UTF-8 bytes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{where} is not valid Unicode: character {err.start} is "
+                         f"{text[err.start]!r}, a lone surrogate, which UTF-8 cannot encode "
+                         "(a surrogate pair must be whole)") from None
+    return text
 
 
 def smollm2_tokenizer() -> Tokenizer:

@@ -106,7 +106,37 @@ def relay_cancels_on_quiet(next_event, is_disconnected, cancel, poll_s=0.25):
             return pieces, ev[1]
 
 
+def relay_checks_only_when_idle(next_event, is_disconnected, cancel, poll_s=0.25):
+    pieces = []  # the chapter's own bug: while tokens flow nothing is quiet, nobody asks
+    while True:
+        ev = next_event(poll_s)
+        if ev is None:
+            if is_disconnected():
+                cancel()
+                return None
+            continue
+        if ev[0] == "text":
+            pieces.append(ev[1])
+        else:
+            return pieces, ev[1]
+
+
+def relay_checks_before_done(next_event, is_disconnected, cancel, poll_s=0.25):
+    pieces = []
+    while True:
+        ev = next_event(poll_s)
+        if is_disconnected():  # asked before looking at the event: a finished one is cancelled
+            cancel()
+            return None
+        if ev is not None and ev[0] == "text":
+            pieces.append(ev[1])
+        elif ev is not None:
+            return pieces, ev[1]
+
+
 @pytest.mark.parametrize("fn, words", [
+    (relay_checks_only_when_idle, ["only when idle"]),
+    (relay_checks_before_done, ["already finished", "double free"]),
     (relay_never_cancels, ["without cancelling"]),
     (relay_cancels_at_the_end, ["already finished", "double free"]),
     (relay_never_checks, ["kept waiting"]),

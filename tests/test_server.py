@@ -5,12 +5,15 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from tests.deadline import deadline
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -165,26 +168,104 @@ def test_bad_body_is_a_400_and_the_server_keeps_serving(smollm2_server, body, fi
     assert status == 200 and ok["choices"][0]["text"] is not None
 
 
-def test_a_client_that_disconnects_cancels_its_request():
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_cancels_its_request(stream):
     server = Server("--model", "tiny", "--decoder", "pipelined")
     try:
-        c = server.conn()
-        c.request("POST", "/v1/completions", json.dumps({
-            "prompt": "count forever", "max_tokens": 1000, "temperature": 0,
-            "stream": True}).encode(), {"Content-Type": "application/json"})
-        r = c.getresponse()
-        assert r.status == 200
-        r.fp.readline()  # the first event: the request is running
-        assert server.get("/health")[1]["running"] == 1
-        c.sock.shutdown(socket.SHUT_RDWR)
-        c.close()
-        deadline = time.monotonic() + 30
-        while server.get("/health")[1]["running"] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        health = server.get("/health")[1]
+        with deadline(90, "a disconnected client's request"):
+            c = server.conn()
+            c.request("POST", "/v1/completions", json.dumps({
+                "prompt": "count forever", "max_tokens": 1000, "temperature": 0,
+                "ignore_eos": True, "stream": stream}).encode(),
+                {"Content-Type": "application/json"})
+            if stream:
+                r = c.getresponse()
+                assert r.status == 200
+                r.fp.readline()  # the first event: the request is running
+            else:  # tokens flow all along: the server is never idle for long
+                while server.get("/health")[1]["running"] != 1:
+                    time.sleep(0.02)
+                time.sleep(0.3)
+            assert server.get("/health")[1]["running"] == 1
+            c.sock.shutdown(socket.SHUT_RDWR)
+            c.close()
+            t0 = time.monotonic()
+            while server.get("/health")[1]["running"] and time.monotonic() - t0 < 30:
+                time.sleep(0.1)
+            health = server.get("/health")[1]
         assert health["running"] == 0 and health["waiting"] == 0, (
             f"a disconnected client's request still runs 30 s later: {health}")
         assert health["finished"]["cancelled"] == 1, (
             f"the request ended, but not because its client left: {health['finished']}")
+        assert time.monotonic() - t0 < 5, "the request was cancelled, but late"
     finally:
         server.close()
+
+
+def read_answer(sock: socket.socket) -> tuple[int, str]:
+    """(status, body) of the one HTTP/1.1 answer on a raw socket (read until it closes)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
+def test_sigterm_ends_the_server_and_answers_what_is_in_flight():
+    server = Server("--model", "tiny", "--decoder", "pipelined")
+    try:
+        with deadline(90, "a SIGTERM'd server"):
+            long = {"prompt": "count forever", "max_tokens": 1000, "temperature": 0,
+                    "ignore_eos": True}
+            streamed = server.conn()
+            streamed.request("POST", "/v1/completions", json.dumps(
+                {**long, "stream": True}).encode(), {"Content-Type": "application/json"})
+            stream_answer = streamed.getresponse()
+            stream_answer.fp.readline()  # running
+            plain = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            body = json.dumps(long).encode()
+            plain.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            while server.get("/health")[1]["running"] != 2:
+                time.sleep(0.02)
+            stalled = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                            b"Content-Type: application/json\r\n"
+                            b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # ... and stalls
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            try:
+                rc = server.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                pytest.fail("the server did not exit within 20 s of SIGTERM")
+            took = time.monotonic() - t0
+            status, text = read_answer(plain)
+            raw = stream_answer.fp.read().decode()  # chunked: size lines, then the events
+            events = [line[len("data: "):] for line in raw.splitlines()
+                      if line.startswith("data: ")]
+        assert rc == 0, f"exit code {rc}: {server.proc.stderr.read()}"
+        assert took < 15, f"SIGTERM took {took:.1f} s to end the server"
+        assert status == 503 and "shutting down" in json.loads(text)["error"]["message"], (
+            f"a request in flight at SIGTERM must be answered: {status} {text}")
+        assert events[-1] == "[DONE]" and "shutting down" in events[-2], (
+            f"a stream in flight at SIGTERM must end with an error event: {events[-3:]}")
+    finally:
+        server.close()
+
+
+def test_a_port_in_use_is_a_one_line_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with deadline(120, "serve on a port in use"):
+            done = subprocess.run([sys.executable, "-m", "labkit", "serve", "--model", "tiny",
+                                   "--port", str(port)], capture_output=True, text=True,
+                                  timeout=100)
+    err = done.stderr.strip()
+    assert done.returncode != 0, "a server that cannot listen must exit non-zero"
+    assert len(err.splitlines()) == 1 and "in use" in err and str(port) in err, (
+        f"want one line that names the port in use, got: {err!r}")
+    assert "serving" not in err, "the banner says 'serving' before the port is bound"

@@ -92,4 +92,16 @@ def grade_relay(fn: Callable) -> str:
         raise AssertionError(f"relay cancelled {len(cancels)} times: once is enough")
     if out is not None:
         raise AssertionError(f"relay returned {out!r} after its client left: return None")
-    return "collects text until done; a client that leaves cancels once, a finished one never"
+    # the client leaves while the text keeps coming: a stream that flows is never quiet
+    flowing = [("text", str(i)) for i in range(60)] + [("done", done)]
+    out, cancels = _relay_trial(fn, flowing, leave_after=3)
+    if not cancels:
+        raise AssertionError("relay let the request run to its end after its client left "
+                             "while text kept coming: it asks is_disconnected() only when idle, "
+                             "and while tokens flow nothing is ever quiet. Ask after every "
+                             "piece too")
+    if len(cancels) > 1 or out is not None:
+        raise AssertionError(f"relay cancelled {len(cancels)} times and returned {out!r} when "
+                             "its client left mid-stream: cancel once, return None")
+    return ("collects text until done; a client that leaves cancels once, even mid-stream, "
+            "a finished one never")
