@@ -49,6 +49,7 @@ class Completion:
     finish_reason: str
     ttft_s: float  # arrival to first token
     token_times_s: list[float]  # arrival to each token
+    error: str | None = None  # finish_reason "error": what raised while committing its token
 
     @property
     def tpot_s(self) -> float:
@@ -357,50 +358,31 @@ class Engine:
     def commit(self, launch: Launch, tokens: list[int]) -> None:
         """Apply a step's tokens to its sequences; zombie rows are skipped and counted.
 
-        Every row is applied before any `on_text` callback runs: a callback that raises leaves
-        the step committed and every sequence consistent.
+        A launch is committed exactly once, whatever raises inside it. A row whose work raises
+        (a constraint's `advance`, the detokenizer) ends its own request with
+        `FinishReason.ERROR` and the error's one line; its batch-mates go on. Every row is
+        applied before any `on_text` callback runs: a callback that raises leaves the step
+        committed and every sequence consistent.
         """
         now = t0 = time.perf_counter()
-        sched = self.scheduler
         assert not launch.committed, f"step {launch.plan.step} committed twice"
         if len(tokens) != len(launch.rows):
             raise RuntimeError(f"step {launch.plan.step}: {len(tokens)} tokens for "
                                f"{len(launch.rows)} rows (a stale or torn host buffer)")
+        self.scheduler.step = launch.plan.step  # finish and release times are this commit's
+        launch.committed = True  # from here on never again, whatever raises
         pieces: list[tuple[int, str]] = []
-        sched.step = launch.plan.step  # finish and release times are this step's commit
-        st = self.stats
-        for row, tok in zip(launch.rows, tokens):
-            seq = row.seq
-            if row.emits:
-                seq.pending -= 1
-            if row.pad or not (row.emits or seq.finalized):
-                # padding, or an earlier chunk of a prompt: nothing to append
-                seq.inflight_refs -= 1
-                if row.pad:
-                    st.padding_rows += 1
-                else:
-                    st.silent_rows += 1
-                sched.release_if_done(seq)
-                continue
-            if not commit_row(seq, tok):  # a zombie: finished at an earlier commit
-                st.zombie_rows += 1
-                sched.release_if_done(seq)
-                continue
-            seq.token_times_s.append(now - seq.arrival_s)
-            if seq.first_token_s is None:
-                seq.first_token_s = now - seq.arrival_s
-            reason = self._stop_reason(seq, tok)
-            if seq.detok is not None:
-                piece = seq.detok.push(tok) if tok != self.eos_id else ""
-                if reason is not None:
-                    piece += seq.detok.flush()
-                seq.text += piece
-                if piece:
-                    pieces.append((seq.request_id, piece))
-            if reason is not None:
-                sched.finalize(seq, reason)
-            sched.release_if_done(seq)
-        launch.committed = True
+        done = 0
+        try:
+            for row, tok in zip(launch.rows, tokens):
+                done += 1  # counted first: an interrupt inside a row leaves it applied
+                try:
+                    self._commit_row(row, tok, now, pieces)
+                except Exception as err:  # this request's own failure: it alone ends
+                    self._fail(row.seq, err)
+        finally:  # an interrupt between rows (never expected: decoders defer Ctrl-C)
+            for row in launch.rows[done:]:
+                self._drop_row(row)
         if self.extra_host_work_s:  # a labelled what-if, never a headline number
             while time.perf_counter() - t0 < self.extra_host_work_s:
                 pass
@@ -408,6 +390,58 @@ class Engine:
         if self.on_text is not None:
             for request_id, piece in pieces:
                 self.on_text(request_id, piece)
+
+    def _commit_row(self, row: Row, tok: int, now: float, pieces: list[tuple[int, str]]
+                    ) -> None:
+        """One row of a commit. The step's reference is dropped before anything can raise."""
+        seq, sched, st = row.seq, self.scheduler, self.stats
+        if row.emits:
+            seq.pending -= 1
+        if row.pad or not (row.emits or seq.finalized):
+            # padding, or an earlier chunk of a prompt: nothing to append
+            seq.inflight_refs -= 1
+            if row.pad:
+                st.padding_rows += 1
+            else:
+                st.silent_rows += 1
+            sched.release_if_done(seq)
+            return
+        if not commit_row(seq, tok):  # a zombie: finished at an earlier commit
+            st.zombie_rows += 1
+            sched.release_if_done(seq)
+            return
+        seq.token_times_s.append(now - seq.arrival_s)
+        if seq.first_token_s is None:
+            seq.first_token_s = now - seq.arrival_s
+        reason = self._stop_reason(seq, tok)
+        if seq.detok is not None:
+            piece = seq.detok.push(tok) if tok != self.eos_id else ""
+            if reason is not None:
+                piece += seq.detok.flush()
+            seq.text += piece
+            if piece:
+                pieces.append((seq.request_id, piece))
+        if reason is not None:
+            sched.finalize(seq, reason)
+        sched.release_if_done(seq)
+
+    def _fail(self, seq: Sequence, err: Exception) -> None:
+        """End a request whose commit raised: the error's one line, its resources returned."""
+        seq.error = f"{type(err).__name__}: {err}".splitlines()[0]
+        if not seq.finalized:
+            self.scheduler.finalize(seq, FinishReason.ERROR)
+        self.scheduler.release_if_done(seq)
+
+    def _drop_row(self, row: Row) -> None:
+        """A row never applied (its commit was interrupted): drop its reference; its live
+        sequence ends as cancelled (its token is lost)."""
+        seq = row.seq
+        if row.emits:
+            seq.pending -= 1
+        seq.inflight_refs -= 1
+        if not row.pad:
+            self.scheduler.finalize(seq, FinishReason.CANCELLED)  # no-op if already final
+        self.scheduler.release_if_done(seq)
 
     def settle(self, *launches: Launch | None) -> None:
         """Finish what a decode loop leaves in flight when an exception ends it (in order).
@@ -488,7 +522,7 @@ class Engine:
         return Completion(request_id if index is None else index, prompt, list(s.prompt_ids),
                           list(s.output_ids), s.text, s.finish_reason.value,
                           s.first_token_s if s.first_token_s is not None else float("nan"),
-                          list(s.token_times_s))
+                          list(s.token_times_s), s.error)
 
     def forget(self, request_id: int) -> None:
         """Drop a finished request's record (take its `completion` first), so that a

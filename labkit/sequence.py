@@ -35,6 +35,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token, or a constraint that is complete
     LENGTH = "length"  # max_new_tokens, or the model's context is full
     CANCELLED = "cancelled"
+    ERROR = "error"  # its commit raised (a constraint, the detokenizer): `Sequence.error` says
 
 
 @dataclass(eq=False)
@@ -50,6 +51,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
+    error: str | None = None  # with FinishReason.ERROR: the one line of what raised
     finalized: bool = False
     inflight_refs: int = 0
     released: bool = False  # resources returned (exactly once)

@@ -390,3 +390,109 @@ def test_a_static_member_waiting_for_a_finished_members_pages_still_runs(decoder
     with deadline(60, "a static member waiting for a finished member's pages"):
         got = run_workload(e, decoder, [(*a, 0, None), (*b, 0, None)])
     assert got == want and e.stats.steps < 200, e.stats.steps
+
+
+# -- faults inside commit --------------------------------------------------------------------------
+
+def _fault_at(engine: Engine, faults: dict[tuple, int]):
+    """Make the commit of a request's k-th token raise (keyed by its prompt), as a constraint's
+    `advance` or a detokenizer might; returns a checker that every step leaves refs >= 0."""
+    real = engine._stop_reason
+    seen_bad: list[str] = []
+
+    def stop_reason(seq, tok):
+        k = faults.get(tuple(seq.prompt_ids))
+        if k is not None and len(seq.output_ids) == k:
+            raise ValueError(f"injected fault at token {k}")
+        return real(seq, tok)
+
+    def check(eng):
+        for s in eng.seqs.values():
+            if s.inflight_refs < 0 or s.pending < 0:
+                seen_bad.append(f"request {s.request_id}: refs {s.inflight_refs}, "
+                                f"pending {s.pending}")
+    engine._stop_reason = stop_reason
+    return check, seen_bad
+
+
+@pytest.mark.parametrize("device", ["inprocess", "process"])
+@pytest.mark.parametrize("decoder", DECODERS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_commit_that_raises_ends_only_its_own_request(device, decoder, seed):
+    """Random workloads on a small pool (preemption, sharing, zombies) with faults injected into
+    commit: the failing request ends "error" with the tokens committed before, every other
+    request gets the reference's tokens, refs never go negative, every page returns, and the
+    engine serves the next workload."""
+    reqs = workload(30 + seed, cancels=False)
+    want = run_workload(get_engine(**REFERENCE), "blocking", reqs)
+    rng = random.Random(seed)
+    faulty = rng.sample(range(len(reqs)), 4)
+    faults = {tuple(reqs[i][0]): rng.randrange(1, 5) for i in faulty}
+    e = get_engine(device, kv_tokens=7 * BS, max_step_tokens=12)
+    check, bad = _fault_at(e, faults)
+    try:
+        got = run_workload(e, decoder, reqs, record=check)
+    finally:
+        del e._stop_reason
+    assert bad == [], bad[:4]
+    hit = 0
+    for i, ((g, gw), (w, ww)) in enumerate(zip(got, want)):
+        k = faults.get(tuple(reqs[i][0]))
+        if k is not None and len(w) >= k:
+            hit += 1
+            assert (g, gw) == (w[:k], "error"), f"request {i} (fault at token {k})"
+        else:
+            assert (g, gw) == (w, ww), f"request {i}: a batch-mate of a failure changed"
+    assert hit, "no fault fired: the test proves nothing"
+    same_tokens(run_workload(e, decoder, reqs[:4]), want[:4])  # the engine serves on
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_an_error_in_commit_is_one_line_on_the_completion(decoder):
+    e = get_engine()
+    prompt = [5, 6, 7, 8]
+    check, _ = _fault_at(e, {tuple(prompt): 2})
+    try:
+        rid = e.submit(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        decoders.run(e, decoder)
+    finally:
+        del e._stop_reason
+    c = e.completion(rid)
+    assert c.finish_reason == "error" and c.error == "ValueError: injected fault at token 2"
+    assert len(c.output_ids) == 2
+    e.forget(rid)
+    e.check_all_released()
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_a_callback_that_raises_leaves_every_step_committed_once(decoder):
+    """on_text raises mid-run: the error reaches the caller, no token is appended twice, refs
+    never go negative, and after the leftovers are cancelled the engine serves again."""
+    reqs = [(p, sp, 0, None) for p, sp, _, _ in workload(5, n=4, cancels=False)]
+    want = run_workload(get_engine(**REFERENCE), "blocking", reqs)
+    e = get_engine(kv_tokens=7 * BS, max_step_tokens=12)
+    ids = [e.submit(p, sp) for p, sp, _, _ in reqs]
+    calls = []
+
+    def on_step(eng):
+        for s in eng.seqs.values():
+            assert s.inflight_refs >= 0 and s.pending >= 0
+        calls.append(eng.steps)
+        if len(calls) == 4:
+            raise RuntimeError("a callback failed")
+    e.on_step = on_step
+    try:
+        with pytest.raises(RuntimeError, match="a callback failed"):
+            decoders.run(e, decoder)
+    finally:
+        e.on_step = None
+    for rid, (w, _) in zip(ids, want):  # what was committed is a prefix, once
+        got = e.seqs[rid].output_ids
+        assert got == w[:len(got)], f"request {rid}: {got} is not a prefix of {w}"
+        if not e.seqs[rid].finalized:
+            e.cancel(rid)
+    decoders.run(e, decoder)
+    for rid in ids:
+        e.forget(rid)
+    e.check_all_released()
+    same_tokens(run_workload(e, decoder, reqs), want)
