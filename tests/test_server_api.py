@@ -266,7 +266,7 @@ def test_text_the_tokenizer_cannot_encode_is_a_400(server, path, body):
 # the engine thread's traceback is the server log's, raised on purpose here
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_an_engine_that_dies_answers_every_request_with_a_one_line_5xx(monkeypatch):
-    import labkit.serving.server as server_mod
+    import labkit.serving.worker as worker_mod
 
     app = tiny_app()
     worker = app.state.worker
@@ -279,7 +279,7 @@ def test_an_engine_that_dies_answers_every_request_with_a_one_line_5xx(monkeypat
             time.sleep(0.01)
         raise RuntimeError("device lost\n  (a second line the client must not see)")
 
-    monkeypatch.setattr(server_mod, "run", dying_run)
+    monkeypatch.setattr(worker_mod, "run", dying_run)
     s = ThreadServer(app)
     answers: dict[str, tuple] = {}
 
