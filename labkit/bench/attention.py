@@ -3,15 +3,18 @@
 For each phase (prefill: Tq = S queries over S keys, causal; decode: 1 query over S keys) and
 each context length S, the three implementations run in alternating turns on the same q, k, v
 (median of `--repeats` turns each), then once more under the allocator's watch for the peak
-memory. Each row: `{phase, seq_len, impl, ms, peak_bytes, predicted_bytes_moved, max_abs_err}`.
+memory. Each row: `{phase, seq_len, impl, ms, ms_spread, peak_bytes, allocated_bytes,
+predicted_bytes_moved, max_abs_err}`.
 
 - `peak_bytes`: the largest total of tensor allocations made during one call, above what was
   allocated before it, read from torch.profiler's allocation events (a real measurement; the
-  inputs are not counted, the output is).
+  inputs are not counted, the output is). `allocated_bytes`: the sum of those allocations, the
+  bytes of every new tensor the call wrote (measured the same way).
 - `predicted_bytes_moved`: the algorithm's memory traffic counted line by line below, in the
   style of the Triton tutorials (fp32: 4 bytes an element). Flash counts a tile's scores as
   staying on chip, which is the GPU kernel's property; on a CPU they stay in cache only while a
-  tile fits it.
+  tile fits it. A CPU gives no portable reading of traffic; what the allocator can check is the
+  new-tensor part of the count (`naive_lines`' last column against `allocated_bytes`).
 - `max_abs_err`: against naive attention, in fp32.
 
 Then a tile-size sweep of flash prefill at one S: its Python tile loop costs a few
@@ -21,11 +24,14 @@ microseconds per tile, so small tiles are slow and large tiles cost memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
+import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.nn import functional as F
@@ -40,13 +46,44 @@ DECODE_SPLITS, DECODE_BLOCK_K = 4, 2048  # flash-decoding: chunks, and the tile 
 F32 = 4  # bytes per element
 
 
-def peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes of tensors allocated while `fn()` runs, above the total before it."""
+@contextlib.contextmanager
+def _quiet_stderr_fd() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null: kineto, torch's profiler library, writes
+    `USDT: ... profiler_start` and `profiler_stop` there from C++ (no setting turns it off)."""
+    sys.stderr.flush()
+    try:
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except OSError:  # no descriptor 2 to silence
+        yield
+        return
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def memory_use(fn: Callable[[], object]) -> tuple[int, int]:
+    """(peak, allocated) bytes of the tensors `fn()` allocates, read from torch's allocator.
+
+    Every CPU tensor's allocation and free passes the profiler (`profile_memory=True`) with the
+    allocator's running total. peak: the largest total during the call, above the total just
+    before it (the inputs are not counted, the output is); allocated: the sum of every
+    allocation's size, i.e. the bytes of all the new tensors the call wrote.
+    """
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr_fd():  # only around start and stop: fn's own stderr is left alone
+        prof.start()
+    try:
         fn()
+    finally:
+        with _quiet_stderr_fd():
+            prof.stop()
     events = []
 
     def walk(node):
@@ -59,28 +96,50 @@ def peak_bytes(fn: Callable[[], object]) -> int:
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root)
     if not events:
-        return 0
+        return 0, 0
     events.sort()
     before = events[0][2] - events[0][1]  # the allocator's total just before the first event
-    return max(total for _, _, total in events) - before
+    return (max(total for _, _, total in events) - before,
+            sum(size for _, size, _ in events if size > 0))
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes of tensors allocated while `fn()` runs, above the total before it."""
+    return memory_use(fn)[0]
 
 
 # -- predicted bytes, counted line by line (B = 1) --------------------------------------------
 
+def naive_lines(tq: int, seq_len: int, h: int = HEADS, hkv: int = KV_HEADS, d: int = HEAD_DIM,
+                causal: bool = True) -> list[tuple[str, int, int, int]]:
+    """`labkit.attention.naive_attention`, one line at a time (B = 1): (line, bytes read, bytes
+    written, bytes of the new tensors it makes). A line counts one pass over what it reads and
+    writes (a kernel may make more passes than that); the new tensors are exact, and the
+    allocator can check them (`memory_use`)."""
+    sq = h * tq * seq_len  # one [H, Tq, L] score matrix, in elements
+    rows = [  # (line, elements read, elements written, elements of new tensors)
+        ("repeat_interleave k, v", 2 * hkv * seq_len * d, 2 * h * seq_len * d,
+         2 * h * seq_len * d),
+        ("q / sqrt(D)", h * tq * d, h * tq * d, h * tq * d),
+        ("scores = q @ k^T", h * tq * d + h * seq_len * d, sq, sq),
+    ]
+    if causal:  # the bool mask is Tq * L bytes: a quarter of an fp32 element each
+        rows += [("hidden = positions > i", 0, tq * seq_len / F32, tq * seq_len / F32),
+                 ("masked_fill", sq + tq * seq_len / F32, sq, sq)]
+    rows += [
+        # torch's logsumexp: amax, then exp(scores - max) as its own [H, Tq, L] temporary,
+        # exponentiated in place, summed; a pass per step
+        ("logsumexp", 4 * sq, 2 * sq + h * tq, sq + h * tq),
+        ("softmax", sq, sq, sq),
+        ("probs @ v", sq + h * seq_len * d, h * tq * d, h * tq * d),
+    ]
+    return [(what, int(r * F32), int(w * F32), int(n * F32)) for what, r, w, n in rows]
+
+
 def naive_bytes(tq: int, seq_len: int, h: int = HEADS, hkv: int = KV_HEADS,
                 d: int = HEAD_DIM, causal: bool = True) -> int:
-    """Traffic of `labkit.attention.naive_attention`, one line at a time."""
-    n = 0
-    n += 2 * (hkv * seq_len * d + h * seq_len * d)  # repeat_interleave k, v: read Hkv, write H
-    n += 2 * h * tq * d  # q / sqrt(D): read and write q
-    n += h * tq * d + h * seq_len * d + h * tq * seq_len  # q @ k^T: read q, k; write scores
-    if causal:
-        n += tq * seq_len // F32  # build the bool mask: write Tq * L bytes
-        n += 2 * h * tq * seq_len + tq * seq_len // F32  # masked_fill: read, write; read mask
-    n += h * tq * seq_len + h * tq  # logsumexp: read scores, write lse
-    n += 2 * h * tq * seq_len  # softmax: read scores, write probs
-    n += h * tq * seq_len + h * seq_len * d + h * tq * d  # probs @ v: read probs, v; write out
-    return n * F32
+    """Traffic of `labkit.attention.naive_attention`: every byte its lines read and write."""
+    return sum(r + w for _, r, w, _ in naive_lines(tq, seq_len, h, hkv, d, causal))
 
 
 def flash_bytes(tq: int, seq_len: int, h: int = HEADS, hkv: int = KV_HEADS, d: int = HEAD_DIM,
@@ -93,6 +152,19 @@ def flash_bytes(tq: int, seq_len: int, h: int = HEADS, hkv: int = KV_HEADS, d: i
         end = min(seq_len, seq_len - tq + i1) if causal else seq_len
         n += 2 * hkv * end * d  # read K and V tiles up to the causal limit (once per KV head)
         n += h * (i1 - i0) * (d + 1)  # write the O block and its lse; scores stay in the tile
+    return n * F32
+
+
+def flash_tile_bytes(tq: int, seq_len: int, h: int = HEADS, d: int = HEAD_DIM,
+                     causal: bool = True, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) -> int:
+    """Bytes of every score tile `flash_attention`'s loops compute, [G * bq, bk] per KV head:
+    what flash_bytes leaves out because a GPU kernel keeps them on chip. On a CPU each tile is
+    a tensor the allocator hands out (and, when small, the cache keeps)."""
+    n = 0
+    for i0 in range(0, tq, block_q):
+        i1 = min(i0 + block_q, tq)
+        end = min(seq_len, seq_len - tq + i1) if causal else seq_len
+        n += h * (i1 - i0) * end  # the tiles of this query block cover keys 0 .. end
     return n * F32
 
 
@@ -163,6 +235,29 @@ def _time_ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def ratio_sampler(top: Callable[[], object], bottom: Callable[[], object]
+                  ) -> Callable[[], float]:
+    """A sampler for `labkit.claims.measure`: each call times `top()` and `bottom()` back to
+    back, in the other order than the call before (another program's load falls on both
+    alike), and returns top's time over bottom's. Both are called once first, to warm up."""
+    top()
+    bottom()
+    turn = itertools.count()
+
+    def sample() -> float:
+        first_top = next(turn) % 2 == 0
+        t_top = t_bottom = 0.0
+        for is_top in ((True, False) if first_top else (False, True)):
+            t0 = time.perf_counter()
+            (top if is_top else bottom)()
+            if is_top:
+                t_top = time.perf_counter() - t0
+            else:
+                t_bottom = time.perf_counter() - t0
+        return t_top / t_bottom
+    return sample
+
+
 def bench_rows(phase: str, seq_len: int, repeats: int, impls: dict) -> list[dict]:
     """The rows of one (phase, S): alternating turns, medians; peak; error against naive."""
     q, k, v = inputs(phase, seq_len)
@@ -177,11 +272,12 @@ def bench_rows(phase: str, seq_len: int, repeats: int, impls: dict) -> list[dict
     rows = []
     for n in names:
         out = impls[n](q, k, v)[0]
+        peak, allocated = memory_use(lambda n=n: impls[n](q, k, v))
         rows.append({
             "phase": phase, "seq_len": seq_len, "impl": n,
             "ms": statistics.median(times[n]),
             "ms_spread": [min(times[n]), max(times[n])],
-            "peak_bytes": peak_bytes(lambda n=n: impls[n](q, k, v)),
+            "peak_bytes": peak, "allocated_bytes": allocated,
             "predicted_bytes_moved": predicted(phase, n, seq_len),
             "max_abs_err": None if ref is None else float((out - ref).abs().max()),
         })
@@ -198,11 +294,16 @@ def tile_sweep(seq_len: int, blocks: tuple[int, ...], repeats: int) -> list[dict
     for r in range(repeats):
         for bk in (blocks if r % 2 == 0 else blocks[::-1]):
             times[bk].append(_time_ms(fns[bk]))
-    return [{"sweep": "tile", "phase": "prefill", "seq_len": seq_len, "impl": "flash",
-             "block_q": bk, "block_k": bk, "ms": statistics.median(times[bk]),
-             "peak_bytes": peak_bytes(fns[bk]),
-             "predicted_bytes_moved": flash_bytes(seq_len, seq_len, block_q=bk, block_k=bk)}
-            for bk in blocks]
+    rows = []
+    for bk in blocks:
+        peak, allocated = memory_use(fns[bk])
+        rows.append({"sweep": "tile", "phase": "prefill", "seq_len": seq_len, "impl": "flash",
+                     "block_q": bk, "block_k": bk, "ms": statistics.median(times[bk]),
+                     "ms_spread": [min(times[bk]), max(times[bk])],
+                     "peak_bytes": peak, "allocated_bytes": allocated,
+                     "predicted_bytes_moved": flash_bytes(seq_len, seq_len, block_q=bk,
+                                                          block_k=bk)})
+    return rows
 
 
 def _ints(text: str) -> list[int]:
@@ -268,7 +369,8 @@ def main(argv: list[str]) -> int:
                 else:
                     err = "-" if r["max_abs_err"] is None else f"{r['max_abs_err']:.1e}"
                     log(f"{r['phase']:<8} S={s:>5} {r['impl']:<6} {r['ms']:>9.2f} ms  "
-                        f"peak {r['peak_bytes'] / 2**20:>9.2f} MiB  predicted "
+                        f"peak {r['peak_bytes'] / 2**20:>9.2f} MiB  allocated "
+                        f"{r['allocated_bytes'] / 2**20:>9.2f} MiB  predicted "
                         f"{r['predicted_bytes_moved'] / 2**20:>9.2f} MiB moved  err {err}")
     if sweep_s:
         blocks = (64, 128, 256, 512, 1024) if not args.quick else (64, 256, 1024)
