@@ -82,6 +82,12 @@ def generate(prompts, params: SamplingParams | list[SamplingParams] | None = Non
             else None
     try:
         run(engine, decoder)
+    except BaseException:  # Ctrl-C, a callback that raised: this call's requests go with it
+        for rid in index_of:  # the loop settled its steps: nothing of ours is in flight
+            engine.cancel(rid)
+            if engine.seqs[rid].released:
+                engine.forget(rid)
+        raise
     finally:
         engine.on_text = None
     out = [engine.completion(rid, i, prompts[i] if isinstance(prompts[i], str) else None)

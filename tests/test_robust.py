@@ -263,3 +263,33 @@ def test_a_launch_refused_after_its_plan_is_undone_with_the_same_tokens(decoder)
     want = tokens(None)
     for fail_at in (1, 2, 4):  # the first prefill (names the shared pages), later mixed steps
         assert tokens(fail_at) == want, f"launch {fail_at} refused: different tokens"
+
+
+@pytest.mark.parametrize("decoder", ["blocking", "pipelined"])
+def test_an_interrupted_generate_cancels_and_forgets_its_own_requests(decoder):
+    """Ctrl-C during labkit.generate: its 8 long requests must not stay queued for the next
+    call, which would silently run them all."""
+    import labkit
+
+    e = engine(kv_tokens=8 * 1024)
+    steps = []
+
+    def on_step(eng):
+        steps.append(eng.steps)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+    e.on_step = on_step
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            labkit.generate([[5, 6, 7]] * 8, SamplingParams(max_new_tokens=900,
+                                                            ignore_eos=True),
+                            engine=e, decoder=decoder)
+    finally:
+        e.on_step = None
+    assert not e.seqs, f"{len(e.seqs)} requests of the interrupted call are still held"
+    e.check_all_released()
+    before = e.steps
+    out = labkit.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True),
+                          engine=e, decoder=decoder)
+    assert len(out[0].output_ids) == 3 and e.steps - before <= 4, (
+        f"the next 3-token call ran {e.steps - before} steps")
