@@ -313,3 +313,25 @@ def test_an_engine_that_dies_answers_every_request_with_a_one_line_5xx(monkeypat
     finally:
         s.close()
         worker.engine.close()
+
+
+def test_a_request_whose_commit_raises_is_a_one_line_500_and_the_server_serves_on(server):
+    """A request that fails inside the engine's commit (a constraint, the detokenizer) gets a
+    500 with the error's one line; the next request is answered as usual."""
+    engine = server.app.state.worker.engine
+    real = engine._stop_reason
+
+    def stop_reason(seq, tok):
+        if len(seq.output_ids) == 2:
+            raise ValueError("injected fault")
+        return real(seq, tok)
+    engine._stop_reason = stop_reason
+    try:
+        status, body = post(server, "/v1/completions", greedy(prompt="Hello", max_tokens=6))
+    finally:
+        del engine._stop_reason
+    assert status == 500, (status, body)
+    message = body["error"]["message"]
+    assert "ValueError: injected fault" in message and "\n" not in message
+    status, body = post(server, "/v1/completions", greedy(prompt="Hello", max_tokens=3))
+    assert status == 200, (status, body)

@@ -61,7 +61,8 @@ class EngineWorker:
         self._lock = threading.Lock()
         self.failure: str | None = None  # one line: the loop itself died (every job failed)
         self.closing: str | None = None  # one line: shutting down (every job cancelled)
-        self.finished: dict[str, int] = {"stop": 0, "length": 0, "cancelled": 0}  # by reason
+        self.finished: dict[str, int] = {"stop": 0, "length": 0, "cancelled": 0,
+                                         "error": 0}  # by reason
 
     def start(self) -> EngineWorker:
         """Start the engine thread."""
@@ -164,7 +165,10 @@ class EngineWorker:
             job = self._jobs.pop(rid)
             done = engine.completion(rid)
             self.finished["stop" if job.stopped_by_text else done.finish_reason] += 1
-            job.send("done", done)
+            if done.error is not None:  # its commit raised: this request alone failed
+                job.send("failed", (500, f"the request failed while generating: {done.error}"))
+            else:
+                job.send("done", done)
             self._to_forget.append(rid)
         keep = []
         for rid in self._to_forget:
