@@ -433,8 +433,8 @@ class Engine:
         self.scheduler.release_if_done(seq)
 
     def _drop_row(self, row: Row) -> None:
-        """A row never applied (its commit was interrupted): drop its reference; its live
-        sequence ends as cancelled (its token is lost)."""
+        """A row never applied (its step was discarded, or its commit interrupted): drop its
+        reference; its live sequence ends as cancelled (its token is lost)."""
         seq = row.seq
         if row.emits:
             seq.pending -= 1
@@ -472,10 +472,8 @@ class Engine:
     def _discard(self, launch: Launch) -> None:
         """Drop an unfinishable step's references; its live sequences end as cancelled."""
         launch.committed = True  # never again
-        for seq in launch.seqs:
-            seq.inflight_refs -= 1
-            self.scheduler.finalize(seq, FinishReason.CANCELLED)  # no-op if already final
-            self.scheduler.release_if_done(seq)
+        for row in launch.rows:
+            self._drop_row(row)
 
     def stuck(self) -> RuntimeError:
         """The error for a loop that finds requests but nothing it can launch or commit."""

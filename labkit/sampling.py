@@ -207,8 +207,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | N
     if batch.any_top_p:
         scaled = top_p_filter(scaled, batch.top_p)
     gumbel = -torch.log(-torch.log(uniform_noise(batch.seed, batch.counter, logits.shape[1])))
-    # Gumbel-max: a draw from softmax(scaled). The noise is finite (hash_to_unit), and a token
-    # that a filter or a mask removed stays at -inf whatever its noise: it is never drawn
-    noisy = torch.where(scaled == float("-inf"), scaled, scaled + gumbel)
-    sampled = noisy.argmax(dim=-1)
+    # Gumbel-max: a draw from softmax(scaled). The noise is finite (hash_to_unit), so a token
+    # that a filter or a mask removed stays at -inf + noise = -inf: it is never drawn
+    sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(batch.temperature > 0, sampled, greedy_tokens)
