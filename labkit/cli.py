@@ -15,11 +15,12 @@ import time
 
 from labkit.cli_parser import add_engine_flags, command_parser, engine_kwargs
 
-JSONL_KEYS = {"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "chat",
-              "constraint"}
 # a sampling setting's flag, for messages that name what the user typed
 FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
-         "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed"}
+         "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+         "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+         "repetition_penalty": "--repetition-penalty"}
+JSONL_KEYS = {"prompt", "chat", "constraint", *FLAGS}
 
 
 class UsageError(Exception):
@@ -39,6 +40,13 @@ def _generate_parser() -> argparse.ArgumentParser:
                    help="sample among the k likeliest (default: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: 1.0 cuts nothing")
     p.add_argument("--seed", type=int, default=0, help="of the sampler (greedy ignores it)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted once from a token already generated, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per time a token was generated, in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides (or, if negative, multiplies) the logit of every token of "
+                        "prompt and answer; above 1 discourages repeats")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     add_engine_flags(p)
     p.add_argument("--json", action="store_true",
@@ -48,9 +56,8 @@ def _generate_parser() -> argparse.ArgumentParser:
 
 def _read_requests(args) -> list[dict]:
     """The requests from the arguments and the prompts file, each a dict of settings."""
-    defaults = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-                "chat": args.chat, "constraint": None}
+    defaults = {field: getattr(args, field) for field in FLAGS}
+    defaults |= {"chat": args.chat, "constraint": None}
     requests = [dict(defaults, prompt=p, where=f"argument {i + 1}")
                 for i, p in enumerate(args.prompts)]
     if args.prompts_file:
@@ -114,9 +121,7 @@ def _generate(args) -> int:
     params = []
     for r in requests:
         try:
-            params.append(SamplingParams(
-                max_new_tokens=r["max_new_tokens"], temperature=r["temperature"],
-                top_k=r["top_k"], top_p=r["top_p"], seed=r["seed"]))
+            params.append(SamplingParams(**{field: r[field] for field in FLAGS}))
         except (ValueError, TypeError) as err:
             raise UsageError(f"{r['where']}: {err}") from None
     try:

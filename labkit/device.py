@@ -12,6 +12,10 @@ ever call these four methods, so the same decoder code runs on every device:
   (copy stream, after the sample);
 - `wait_tokens(slot)`: block until that copy is done and return the tokens.
 
+Two extras ride along: `launch_sample` takes the used tokens of rows with penalties
+(`history`), and rows that asked for log-probabilities get them back with their tokens, in the
+same copy (`logprobs(slot)`, after `wait_tokens`).
+
 `InProcessDevice` runs each launch synchronously in the caller's thread: the simplest correct
 device, used by the early notebooks and for debugging.
 """
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 from labkit.runner import ModelRunner, StepPlan
+from labkit.sampling import MAX_LOGPROBS, History
 
 NUM_SLOTS = 2  # ping-pong: step t+1 never overwrites what the host still reads of step t
 
@@ -58,7 +63,8 @@ class Device:
         raise NotImplementedError
 
     def launch_sample(self, slot: int, plan: StepPlan,
-                      allowed: dict[int, torch.Tensor] | None = None) -> None:
+                      allowed: dict[int, torch.Tensor] | None = None,
+                      history: History | None = None) -> None:
         """Enqueue masking and sampling of the slot's logits on the compute stream."""
         raise NotImplementedError
 
@@ -69,6 +75,11 @@ class Device:
     def wait_tokens(self, slot: int) -> list[int]:
         """Wait for the slot's copy and return its tokens."""
         raise NotImplementedError
+
+    def logprobs(self, slot: int) -> list[list[float]] | None:
+        """After `wait_tokens(slot)`: each row's `token_logprobs` row, or None if no row of
+        that step asked for log-probabilities."""
+        return None
 
     def spans(self) -> list[tuple[str, str, int, float, float]]:
         """Device spans recorded since the last call: (lane, op, step, t0, t1)."""
@@ -93,6 +104,8 @@ class InProcessDevice(Device):
         self._logits: list[torch.Tensor | None] = [None] * NUM_SLOTS
         self._tokens: list[torch.Tensor | None] = [None] * NUM_SLOTS
         self._host: list[list[int] | None] = [None] * NUM_SLOTS
+        self._logprobs: list[torch.Tensor | None] = [None] * NUM_SLOTS
+        self._host_logprobs: list[list[list[float]] | None] = [None] * NUM_SLOTS
 
     def launch_forward(self, slot: int, plan: StepPlan) -> None:
         t0 = time.perf_counter()
@@ -100,11 +113,13 @@ class InProcessDevice(Device):
         self._spans.append(("compute", "forward", plan.step, t0, time.perf_counter()))
 
     def launch_sample(self, slot: int, plan: StepPlan,
-                      allowed: dict[int, torch.Tensor] | None = None) -> None:
+                      allowed: dict[int, torch.Tensor] | None = None,
+                      history: History | None = None) -> None:
         t0 = time.perf_counter()
         logits = self._logits[slot]
         mask = allowed_tensor(allowed, plan.batch_size, logits.shape[-1], logits.device)
-        self._tokens[slot] = self.runner.sample(plan, logits, mask)
+        self._tokens[slot] = self.runner.sample(plan, logits, mask, history=history)
+        self._logprobs[slot] = self.runner.last_logprobs
         self._logits[slot] = None
         self._spans.append(("compute", "sample", plan.step, t0, time.perf_counter()))
 
@@ -114,11 +129,16 @@ class InProcessDevice(Device):
 
     def launch_copy(self, slot: int) -> None:
         self._host[slot] = self._tokens[slot].tolist()
+        lp = self._logprobs[slot]
+        self._host_logprobs[slot] = None if lp is None else lp.tolist()
 
     def wait_tokens(self, slot: int) -> list[int]:
         tokens = self._host[slot]  # left in place: waiting twice (after an interrupt) is safe
         assert tokens is not None, f"slot {slot}: wait_tokens without a launched copy"
         return tokens
+
+    def logprobs(self, slot: int) -> list[list[float]] | None:
+        return self._host_logprobs[slot]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,6 +175,8 @@ _TRACE_CAP = 1 << 16  # spans kept per lane (a ring)
 _ERROR_CAP = 1 << 16  # bytes of the device's traceback kept in shared memory
 MASK_CACHE_CAP = 256  # constraint masks the device keeps (least recently used goes first)
 _HEAD = 2  # a host buffer row: [n, step, token_0 .. token_{n-1}]
+_LP_WIDTH = 1 + 2 * MAX_LOGPROBS  # a row of `token_logprobs` at most; one more column holds
+# the width used (in row 0), -1 when the step had no log-probabilities
 
 
 def _mask_cache_put(cache: OrderedDict, key, value, cap: int) -> None:
@@ -166,7 +188,8 @@ def _mask_cache_put(cache: OrderedDict, key, value, cap: int) -> None:
 
 
 def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_tokens,
-                 trace, trace_n, status, error_flag, error_text, ready, mask_cap) -> None:
+                 host_logprobs, trace, trace_n, status, error_flag, error_text, ready,
+                 mask_cap) -> None:
     """The device process: runs the compute stream's commands in order, in its main thread.
 
     The copy is fused into the sample: the sampled tokens are written straight into the shared
@@ -191,6 +214,7 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     vocab = model.cfg.vocab_size
     # numpy views of the shared memory: a numpy store costs a fraction of a torch one
     trace_np, trace_n_np, host_np = trace.numpy(), trace_n.numpy(), host_tokens.numpy()
+    host_lp_np = host_logprobs.numpy()
     # [op, step, since, masks held]: what the device is doing (op -1: idle)
     status_np = status.numpy()
 
@@ -218,9 +242,10 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
                 record(0, 0, step, got, time.perf_counter())
             elif op == "sample":
                 plan = plans[slot]
+                masks_sent, history = payload
                 t0 = time.perf_counter()
                 rows = {}
-                for row, (key, packed) in (payload or {}).items():
+                for row, (key, packed) in (masks_sent or {}).items():
                     if packed is not None:  # first use of this mask: unpack and keep it
                         bits = np.unpackbits(np.frombuffer(packed, np.uint8))[:vocab]
                         _mask_cache_put(masks, key, torch.from_numpy(bits.astype(bool)), mask_cap)
@@ -228,15 +253,19 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
                     rows[row] = masks[key]
                 status_np[3] = len(masks)
                 t1 = time.perf_counter()
-                if payload:
+                if masks_sent:
                     record(0, 4, step, t0, t1)  # "unpack"
                 mask = allowed_tensor(rows, plan.batch_size, vocab, runner.device)
-                tokens = runner.sample(plan, logits[slot], mask).numpy()
+                tokens = runner.sample(plan, logits[slot], mask, history=history).numpy()
                 logits[slot] = None
                 t2 = time.perf_counter()
                 n = tokens.shape[0]
-                host_np[slot, 2:n + 2] = tokens  # the "copy": into the shared pinned buffer
+                host_np[slot, _HEAD:n + _HEAD] = tokens  # the "copy": into the shared buffer
                 host_np[slot, 0] = n
+                lp = runner.last_logprobs
+                if lp is not None:  # [n, 1 + 2k], k of the row that asked the most
+                    host_lp_np[slot, :n, :lp.shape[1]] = lp.numpy()
+                host_lp_np[slot, 0, -1] = -1 if lp is None else lp.shape[1]
                 host_np[slot, 1] = step  # the stamp last: a buffer with it is complete
                 t3 = time.perf_counter()
                 record(0, 1, step, t1, t2)
@@ -299,6 +328,9 @@ class ProcessDevice(Device):
                                        dtype=torch.long).share_memory_()
         self._host_np = self.host_tokens.numpy()
         self._host_np[:, 1] = -1  # no step's tokens yet
+        self.host_logprobs = torch.zeros(NUM_SLOTS, max_seqs, _LP_WIDTH + 1,
+                                         dtype=torch.float32).share_memory_()
+        self._host_lp_np = self.host_logprobs.numpy()
         self.trace = torch.zeros(2, _TRACE_CAP, 4, dtype=torch.float64).share_memory_()
         self.trace_n = torch.zeros(2, dtype=torch.long).share_memory_()
         self.status = torch.zeros(4, dtype=torch.float64).share_memory_()
@@ -314,7 +346,8 @@ class ProcessDevice(Device):
         self.proc = ctx.Process(
             target=_device_main, daemon=True, name="labkit-device",
             args=(model, (num_blocks, block_size, max_seqs, cache, "cpu", attention), threads,
-                  self.device_cpus, compute_rx, self.copy_done, self.host_tokens, self.trace,
+                  self.device_cpus, compute_rx, self.copy_done, self.host_tokens,
+                  self.host_logprobs, self.trace,
                   self.trace_n, self.status, self.error_flag, self.error_text, ready,
                   mask_cache_cap))
         self.proc.start()
@@ -410,11 +443,12 @@ class ProcessDevice(Device):
         return payload
 
     def launch_sample(self, slot: int, plan: StepPlan,
-                      allowed: dict[int, torch.Tensor] | None = None) -> None:
-        payload = self._mask_payload(allowed) if allowed else None
+                      allowed: dict[int, torch.Tensor] | None = None,
+                      history: History | None = None) -> None:
+        masks = self._mask_payload(allowed) if allowed else None
         self._slot_step[slot] = plan.step
-        # the device kept the slot's plan from the forward: only the masks travel
-        self._send(("sample", slot, plan.step, payload))
+        # the device kept the slot's plan from the forward: only masks and history travel
+        self._send(("sample", slot, plan.step, (masks, history)))
 
     def launch_copy(self, slot: int) -> None:
         """Nothing to send: the sample writes the slot's host buffer itself (see the module)."""
@@ -448,6 +482,13 @@ class ProcessDevice(Device):
             self.copy_done[slot].acquire(block=False)
         n = int(host[slot, 0])
         return host[slot, _HEAD:n + _HEAD].tolist()
+
+    def logprobs(self, slot: int) -> list[list[float]] | None:
+        width = int(self._host_lp_np[slot, 0, -1])
+        if width < 0:
+            return None
+        n = int(self._host_np[slot, 0])
+        return self._host_lp_np[slot, :n, :width].tolist()
 
     # -- failure injection (tests) -------------------------------------------------------------
 

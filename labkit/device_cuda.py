@@ -34,6 +34,7 @@ from labkit.attention import AttentionMeta
 from labkit.device import NUM_SLOTS, Device
 from labkit.quant import relayout
 from labkit.runner import ModelRunner, StepPlan
+from labkit.sampling import MAX_LOGPROBS, History
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +238,10 @@ class CudaDevice(Device):
         self._logits: list[torch.Tensor | None] = [None] * NUM_SLOTS
         self._tokens: list[torch.Tensor | None] = [None] * NUM_SLOTS
         self._n = [0] * NUM_SLOTS  # rows of the step in each slot
+        # log-probabilities come back in the same copy, into pinned rows of their own
+        self.host_logprobs = [torch.zeros(max_seqs, 1 + 2 * MAX_LOGPROBS, pin_memory=True)
+                              for _ in range(NUM_SLOTS)]
+        self._logprobs: list[torch.Tensor | None] = [None] * NUM_SLOTS
         self._step = [0] * NUM_SLOTS  # and its step number, for the timeline
         self._masks = MaskCache(dev)  # constraint masks kept on the device
         self._closed = False
@@ -275,7 +280,8 @@ class CudaDevice(Device):
                                   self._timed(self.compute)))
 
     def launch_sample(self, slot: int, plan: StepPlan,
-                      allowed: dict[int, torch.Tensor] | None = None) -> None:
+                      allowed: dict[int, torch.Tensor] | None = None,
+                      history: History | None = None) -> None:
         t0: list = []
         with torch.cuda.stream(self.compute):
             mask = None
@@ -287,7 +293,8 @@ class CudaDevice(Device):
                     mask[row] = self._masks.get(m)  # uploaded once per distinct mask
             self._tokens[slot] = self.runner.sample(
                 plan, self._logits[slot], mask,
-                on_staged=lambda: t0.append(self._timed(self.compute)))
+                on_staged=lambda: t0.append(self._timed(self.compute)), history=history)
+            self._logprobs[slot] = self.runner.last_logprobs
             self._logits[slot] = None
             self.sampled[slot].record(self.compute)
             self._pending.append(("compute", "sample", plan.step, t0[0],
@@ -302,6 +309,10 @@ class CudaDevice(Device):
             t0 = self._timed(self.copy)
             self.host[slot][:n].copy_(self._tokens[slot], non_blocking=True)  # DMA to pinned
             self._tokens[slot].record_stream(self.copy)  # memory used by a second stream
+            lp = self._logprobs[slot]
+            if lp is not None:
+                self.host_logprobs[slot][:n, :lp.shape[1]].copy_(lp, non_blocking=True)
+                lp.record_stream(self.copy)
             self.copied[slot].record(self.copy)
             self._pending.append(("copy", "copy", self._step[slot], t0,
                                   self._timed(self.copy)))
@@ -309,6 +320,12 @@ class CudaDevice(Device):
     def wait_tokens(self, slot: int) -> list[int]:
         self.copied[slot].synchronize()
         return self.host[slot][:self._n[slot]].tolist()
+
+    def logprobs(self, slot: int) -> list[list[float]] | None:
+        lp = self._logprobs[slot]  # its copy is done: wait_tokens waited for the same event
+        if lp is None:
+            return None
+        return self.host_logprobs[slot][:self._n[slot], :lp.shape[1]].tolist()
 
     def spans(self) -> list[tuple[str, str, int, float, float]]:
         torch.cuda.synchronize()
@@ -329,5 +346,6 @@ class CudaDevice(Device):
         self._masks.clear()
         self._logits = [None] * NUM_SLOTS
         self._tokens = [None] * NUM_SLOTS
+        self._logprobs = [None] * NUM_SLOTS
         self._pending.clear()
         torch.cuda.empty_cache()  # the pools' memory goes back to the driver

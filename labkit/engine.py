@@ -30,7 +30,7 @@ import torch
 from labkit.device import Device, InProcessDevice, ProcessDevice
 from labkit.paged_kv import BlockAllocator
 from labkit.runner import ModelRunner, StepPlan, contiguous_row_len, max_seq_len
-from labkit.sampling import SamplingParams
+from labkit.sampling import History, SamplingParams, unpack_logprobs
 from labkit.scheduler import RequestError, Row, Scheduler
 from labkit.sequence import FinishReason, Sequence, commit_row
 
@@ -50,6 +50,9 @@ class Completion:
     ttft_s: float  # arrival to first token
     token_times_s: list[float]  # arrival to each token
     error: str | None = None  # finish_reason "error": what raised while committing its token
+    # SamplingParams.logprobs: per output token (its log-probability, [(id, log-probability)]
+    # of the most likely), from the model's own distribution
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def tpot_s(self) -> float:
@@ -108,6 +111,7 @@ class Launch:
     launched: bool = False
     sampled: bool = False
     committed: bool = False
+    logprobs: list[list[float]] | None = None  # from the device with its tokens, if asked
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -331,6 +335,7 @@ class Engine:
         """Block until the launch's tokens are in its slot's host buffer; return them."""
         t0 = time.perf_counter()
         tokens = self.device.wait_tokens(launch.slot)
+        launch.logprobs = self.device.logprobs(launch.slot)
         self._span("wait", launch, t0)
         return tokens
 
@@ -347,10 +352,18 @@ class Engine:
                 masks[i] = s.constraint.mask(s.constraint_state)
         return masks or None
 
+    def history(self, launch: Launch) -> History | None:
+        """The used tokens of rows with penalties (prompt, output so far), as of now: in the
+        pipelined loop the previous step is committed by now, so nothing is missing."""
+        used = {i: (r.seq.prompt_ids, r.seq.output_ids) for i, r in enumerate(launch.rows)
+                if r.emits and not r.seq.finalized and r.seq.params.penalized}
+        return used or None
+
     def finish_sampling(self, launch: Launch) -> None:
         """Masks, sample, start the device-to-host copy of the launch's tokens."""
         t0 = time.perf_counter()
-        self.device.launch_sample(launch.slot, launch.plan, self.allowed(launch))
+        self.device.launch_sample(launch.slot, launch.plan, self.allowed(launch),
+                                  self.history(launch))
         self.device.launch_copy(launch.slot)
         launch.sampled = True
         self._span("sample", launch, t0)
@@ -374,10 +387,11 @@ class Engine:
         pieces: list[tuple[int, str]] = []
         done = 0
         try:
-            for row, tok in zip(launch.rows, tokens):
+            for i, (row, tok) in enumerate(zip(launch.rows, tokens)):
                 done += 1  # counted first: an interrupt inside a row leaves it applied
                 try:
-                    self._commit_row(row, tok, now, pieces)
+                    self._commit_row(row, tok, now, pieces,
+                                     launch.logprobs[i] if launch.logprobs else None)
                 except Exception as err:  # this request's own failure: it alone ends
                     self._fail(row.seq, err)
         finally:  # an interrupt between rows (never expected: decoders defer Ctrl-C)
@@ -391,8 +405,8 @@ class Engine:
             for request_id, piece in pieces:
                 self.on_text(request_id, piece)
 
-    def _commit_row(self, row: Row, tok: int, now: float, pieces: list[tuple[int, str]]
-                    ) -> None:
+    def _commit_row(self, row: Row, tok: int, now: float, pieces: list[tuple[int, str]],
+                    logprobs: list[float] | None = None) -> None:
         """One row of a commit. The step's reference is dropped before anything can raise."""
         seq, sched, st = row.seq, self.scheduler, self.stats
         if row.emits:
@@ -411,6 +425,9 @@ class Engine:
             sched.release_if_done(seq)
             return
         seq.token_times_s.append(now - seq.arrival_s)
+        if seq.params.logprobs is not None:
+            assert logprobs is not None, f"step {self.scheduler.step}: no logprobs came back"
+            seq.logprobs.append(unpack_logprobs(logprobs, seq.params.logprobs))
         if seq.first_token_s is None:
             seq.first_token_s = now - seq.arrival_s
         reason = self._stop_reason(seq, tok)
@@ -520,7 +537,8 @@ class Engine:
         return Completion(request_id if index is None else index, prompt, list(s.prompt_ids),
                           list(s.output_ids), s.text, s.finish_reason.value,
                           s.first_token_s if s.first_token_s is not None else float("nan"),
-                          list(s.token_times_s), s.error)
+                          list(s.token_times_s), s.error,
+                          list(s.logprobs) if s.params.logprobs is not None else None)
 
     def forget(self, request_id: int) -> None:
         """Drop a finished request's record (take its `completion` first), so that a

@@ -17,7 +17,14 @@ import torch
 from labkit.attention import BACKENDS, AttentionMeta
 from labkit.model import LlamaModel
 from labkit.paged_kv import ContiguousKVCache, PagedKVCache
-from labkit.sampling import SamplingBatch, SamplingParams, sample
+from labkit.sampling import (
+    History,
+    Penalties,
+    SamplingBatch,
+    SamplingParams,
+    sample,
+    token_logprobs,
+)
 
 
 def max_seq_len(cfg, cache: str, num_blocks: int, block_size: int, max_seqs: int) -> int:
@@ -76,6 +83,12 @@ class StepPlan:
         return [s + q for s, q in zip(self.starts, self.query_lens)]
 
 
+def logprobs_width(plan: StepPlan) -> int | None:
+    """The most alternatives any row of the step asked for; None if no row wants logprobs."""
+    asked = [p.logprobs for p in plan.params if p.logprobs is not None]
+    return max(asked) if asked else None
+
+
 class ModelRunner:
     """Owns the model, the KV cache and the device rows; runs forward and sample."""
 
@@ -106,6 +119,7 @@ class ModelRunner:
         self.attention = attention
         self.cache_kind = cache
         self.last_tokens = torch.zeros(max_seqs, dtype=torch.long, device=self.device)
+        self.last_logprobs: torch.Tensor | None = None  # of the last sample, if asked for
 
     def to_device(self, values: list) -> torch.Tensor:
         """A host list as a device tensor, without making the host wait for the device."""
@@ -159,13 +173,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, plan: StepPlan, logits: torch.Tensor, allowed: torch.Tensor | None = None,
-               on_staged: Callable[[], object] | None = None) -> torch.Tensor:
+               on_staged: Callable[[], object] | None = None, history: History | None = None
+               ) -> torch.Tensor:
         """Choose each row's next token on the device and remember it in last_tokens: [B]
-        (`on_staged` as in `forward`)."""
-        batch = SamplingBatch.build(plan.params, plan.counters, logits.shape[-1], self.to_device)
+        (`on_staged` as in `forward`; `history`: the used tokens of rows with penalties).
+
+        Rows that asked for log-probabilities leave them in `last_logprobs` ([B, 1 + 2k],
+        see `token_logprobs`; None when no row asked), for the copy to the host.
+        """
+        vocab = logits.shape[-1]
+        batch = SamplingBatch.build(plan.params, plan.counters, vocab, self.to_device)
+        penalties = Penalties.build(history, plan.params, vocab, self.device, self.to_device)
         rows = self.to_device(plan.rows)
         if on_staged is not None:
             on_staged()
-        tokens = sample(logits, batch, allowed)
+        tokens = sample(logits, batch, allowed, penalties=penalties)
         self.last_tokens[rows] = tokens
+        k = logprobs_width(plan)
+        self.last_logprobs = None if k is None else token_logprobs(logits, tokens, k)
         return tokens

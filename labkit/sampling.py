@@ -1,9 +1,11 @@
 """Choosing the next token, on the device, reproducibly.
 
 `SamplingParams` says how a request wants its tokens chosen. `sample()` turns a batch of logits
-into one token per row without leaving the device: greedy rows take the argmax; sampled rows are
-scaled by their temperature, cut by top-k and top-p, and drawn with the Gumbel-max trick,
-`argmax(logits + Gumbel noise)`, which samples exactly from softmax(logits).
+into one token per row without leaving the device: rows with penalties first have their logits
+lowered for the tokens they already used (`Penalties`); greedy rows take the argmax; sampled rows
+are scaled by their temperature, cut by top-k and top-p, and drawn with the Gumbel-max trick,
+`argmax(logits + Gumbel noise)`, which samples exactly from softmax(logits). `token_logprobs()`
+gives the log-probabilities a request asked for, from the model's own logits.
 
 The noise is not drawn from a global generator. It is a hash of (request seed, token index,
 vocabulary id), so a request's tokens depend only on its own seed and its own history: the same
@@ -26,6 +28,7 @@ FLOAT32_TINY = float(np.finfo(np.float32).smallest_subnormal)
 # below this a temperature is refused: logits of magnitude up to ~1e32 divided by it still fit
 # in float32 (the largest is 3.4e38); 1e-6 is already greedy in all but exact ties
 MIN_TEMPERATURE = 1e-6
+MAX_LOGPROBS = 20  # alternatives a request may ask for per token (the OpenAI API's limit)
 
 
 def _is_int(x) -> bool:
@@ -49,6 +52,15 @@ class SamplingParams:
     seed: int = 0
     stop_ids: tuple[int, ...] = ()  # token ids that end the request, besides the model's EOS
     ignore_eos: bool = False  # benchmarks: run to max_new_tokens whatever is sampled
+    # OpenAI's penalties, on the tokens generated so far: minus presence once a token has
+    # appeared, minus frequency times its count (both in [-2, 2]; 0: none)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # the CTRL / Hugging Face penalty on every token of prompt and answer: a positive logit is
+    # divided by it, a negative one multiplied (1: none; > 1 discourages repeats)
+    repetition_penalty: float = 1.0
+    # None: no log-probabilities; k: each token's, and the k most likely in its place
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # bool is an int in Python, and JSON's `true` arrives as one: never a number here
@@ -79,13 +91,35 @@ class SamplingParams:
             raise ValueError(f"stop_ids must be token ids (integers >= 0), got "
                              f"{self.stop_ids!r}")
         object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
-        for name in ("max_new_tokens", "seed") + (("top_k",) if self.top_k is not None else ()):
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0: none), got {v!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not 0 < r <= 100:  # NaN fails too; above 100 is no penalty
+            raise ValueError(f"repetition_penalty must be a number in (0, 100] (1: none; "
+                             f"above 1 discourages repeats), got {r!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] "
+                             f"(the alternatives to return per token), got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        ints = ("max_new_tokens", "seed") + (("top_k",) if self.top_k is not None else ()) + (
+            ("logprobs",) if self.logprobs is not None else ())
+        for name in ints:
             object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int
 
     @property
     def greedy(self) -> bool:
         """True when the argmax is taken (temperature 0)."""
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """True when the tokens already used change the logits."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 @dataclass
@@ -190,11 +224,95 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+History = dict[int, tuple[list[int], list[int]]]  # batch row -> (prompt ids, output ids)
+
+
+@dataclass
+class Penalties:
+    """The penalized rows of one step, as device tensors: which tokens each has used.
+
+    Built from the host's history at sample time: in the pipelined loop the host has just
+    committed the previous token, so the history is complete (like a constraint's mask).
+    """
+
+    rows: torch.Tensor  # [P] long: batch rows with a penalty
+    counts: torch.Tensor  # [P, V] float: times each token appears in the row's output
+    seen: torch.Tensor  # [P, V] bool: the token appears in its prompt or its output
+    presence: torch.Tensor  # [P, 1] float
+    frequency: torch.Tensor  # [P, 1] float
+    repetition: torch.Tensor  # [P, 1] float
+
+    @staticmethod
+    def build(history: History | None, params: list[SamplingParams], vocab_size: int,
+              device: torch.device, to_device=torch.tensor) -> Penalties | None:
+        """From `history` (rows with a penalty; others are ignored); None if no row has one.
+        `to_device`: list -> tensor on `device` (the runner's, which stages through pinned
+        memory on a GPU so that the host does not wait)."""
+        rows = sorted(r for r in (history or {}) if params[r].penalized)
+        if not rows:
+            return None
+        # three flat uploads of (row, token) pairs and the settings, scattered on the device
+        out_rows, out_ids, seen_rows, seen_ids = [], [], [], []
+        for i, r in enumerate(rows):
+            prompt, output = history[r]
+            out_rows += [i] * len(output)
+            out_ids += output
+            seen_rows += [i] * (len(prompt) + len(output))
+            seen_ids += list(prompt) + list(output)
+        counts = torch.zeros(len(rows), vocab_size, device=device)
+        if out_ids:
+            counts.index_put_((to_device(out_rows), to_device(out_ids)),
+                              torch.ones(len(out_ids), device=device), accumulate=True)
+        seen = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+        seen[to_device(seen_rows), to_device(seen_ids)] = True
+        settings = to_device([[float(params[r].presence_penalty),
+                               float(params[r].frequency_penalty),
+                               float(params[r].repetition_penalty)] for r in rows])
+        return Penalties(to_device(rows), counts, seen, settings[:, 0:1], settings[:, 1:2],
+                         settings[:, 2:3])
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with each penalized row's penalties applied (a new tensor): repetition
+        first, then frequency and presence, as vLLM orders them."""
+        # logits: [B, V] float
+        part = logits[self.rows]  # [P, V]
+        rep = self.repetition
+        part = torch.where(self.seen, torch.where(part > 0, part / rep, part * rep), part)
+        part = part - self.frequency * self.counts - self.presence * (self.counts > 0)
+        return logits.index_copy(0, self.rows, part)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, 1 + 2k] float: each row's log-probability of its token, then its k most likely
+    tokens' log-probabilities and their ids (exact in float32 below 2^24), in one tensor so
+    that one copy brings them to the host.
+
+    From the model's own distribution, log_softmax of the logits before penalties,
+    temperature, filters and masks (what vLLM returns by default): how likely the model found
+    the token, not how the request's settings reshaped the draw.
+    """
+    # logits: [B, V]; tokens: [B] long
+    assert logits.shape[-1] < 1 << 24, "token ids must be exact in float32"
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, tokens[:, None])  # [B, 1]
+    top = logp.topk(k, dim=-1)  # sorted, most likely first
+    return torch.cat([chosen, top.values, top.indices.float()], dim=1)
+
+
+def unpack_logprobs(row: list[float], k: int) -> tuple[float, list[tuple[int, float]]]:
+    """One row of `token_logprobs` on the host, cut to the request's own k: (the token's
+    log-probability, [(id, log-probability)] of the k most likely)."""
+    width = (len(row) - 1) // 2
+    return row[0], [(int(row[1 + width + j]), row[1 + j]) for j in range(k)]
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | None = None,
-           all_greedy: bool | None = None) -> torch.Tensor:
+           all_greedy: bool | None = None, penalties: Penalties | None = None) -> torch.Tensor:
     """One token per row: [B] long, on the logits' device."""
     # logits: [B, V]; allowed: [B, V] bool (constrained decoding) or None
     logits = logits.float()
+    if penalties is not None:  # before the mask: a masked token stays at -inf either way
+        logits = penalties.apply(logits)
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
     greedy_tokens = logits.argmax(dim=-1)  # [B]

@@ -49,6 +49,9 @@ class Sequence:
     adapter: int | None = None  # an adapter (LoRA stand-in) the request asks for, or None
     constraint: Any = None  # a labkit.constraints.Constraint, or None
     output_ids: list[int] = field(default_factory=list)
+    # with params.logprobs: per output token (its log-probability, [(id, log-probability)] of
+    # the most likely ones), see labkit.sampling.token_logprobs
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None  # with FinishReason.ERROR: the one line of what raised

@@ -17,6 +17,7 @@ from labkit.sampling import SamplingBatch, SamplingParams, sample
 from tests import fake_cuda
 from tests import test_decoders as td
 from tests import test_device_cuda as tdc
+from tests import test_penalties_logprobs as tpl
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() and not fake_cuda.STATE.installed,
@@ -27,8 +28,9 @@ pytestmark = pytest.mark.skipif(
 def fake():
     with fake_cuda.fake_cuda() as state:
         yield state
-        for key in [k for k in td._ENGINES if k == "cuda"]:  # made here, closed here
-            td._ENGINES.pop(key).close()
+        for engines in (td._ENGINES, tpl._ENGINES):  # made here, closed here
+            for key in [k for k in engines if k == "cuda"]:
+                engines.pop(key).close()
 
 
 @pytest.fixture(autouse=True)
@@ -112,6 +114,12 @@ def test_cuda_bfloat16(fake):
 @pytest.mark.parametrize("cache", ["paged", "contiguous"])
 def test_cuda_steady_state_never_syncs(fake, cache):
     tdc.test_steady_state_pipelined_steps_never_sync(cache)
+
+
+def test_cuda_penalties_and_logprobs(fake):
+    # the history staged through pinned memory; the logprobs back in the tokens' copy
+    tpl.test_decoders_agree_on_tokens_and_logprobs("cuda")
+    tpl.test_tokens_and_logprobs_follow_the_cacheless_model("cuda")
 
 
 def test_cuda_graphs_off(fake, monkeypatch):

@@ -214,22 +214,86 @@ def test_a_chat_answer_may_fill_the_context_and_a_completion_keeps_16(server):
 # what is refused, and how
 
 
-@pytest.mark.parametrize("path, extra, param", [
-    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {"frequency_penalty": -1}, "frequency_penalty"),
-    ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
-    ("/v1/completions", {"logprobs": 0}, "logprobs"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+def test_penalties_reach_the_sampler(server):
+    """The server's answer with penalties is labkit's own (the same settings through
+    `labkit.generate`), and it differs from the answer without them."""
+    import labkit
+    from labkit.engine import Engine
+    from labkit.loading import load_model
+    from labkit.sampling import SamplingParams
+
+    body = greedy(prompt="Once upon a time", max_tokens=24, ignore_eos=True)
+    pen = {"presence_penalty": 1.5, "frequency_penalty": 0.7, "repetition_penalty": 1.3}
+    plain = post(server, "/v1/completions", body)[1]["choices"][0]["text"]
+    status, out = post(server, "/v1/completions", {**body, **pen})
+    assert status == 200, out
+    model, tok = load_model("tiny")
+    engine = Engine(model, tok, kv_tokens=KV_TOKENS)
+    try:
+        want = labkit.generate(["Once upon a time"], SamplingParams(
+            max_new_tokens=24, ignore_eos=True, **pen), engine=engine)[0].text
+    finally:
+        engine.close()
+    assert out["choices"][0]["text"] == want
+    assert want != plain, "the penalties changed nothing: were they passed on?"
+
+
+def test_chat_logprobs_come_with_each_token(server):
+    status, out = post(server, "/v1/chat/completions", greedy(
+        messages=[{"role": "user", "content": "Hi"}], max_tokens=6, ignore_eos=True,
+        logprobs=True, top_logprobs=3))
+    assert status == 200, out
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"] == 6
+    for t in content:
+        top = [a["logprob"] for a in t["top_logprobs"]]
+        assert len(top) == 3 and top == sorted(top, reverse=True) and top[0] <= 0
+        # greedy, no penalty: the token taken is the most likely one
+        assert t["token"] == t["top_logprobs"][0]["token"]
+        assert t["logprob"] == pytest.approx(top[0])
+        assert t["bytes"] == list(t["token"].encode())
+    status, out = post(server, "/v1/chat/completions", greedy(
+        messages=[{"role": "user", "content": "Hi"}], max_tokens=2, logprobs=False))
+    assert out["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_stop_where_the_text_stops(server):
+    full = post(server, "/v1/completions", greedy(prompt="Once", max_tokens=12,
+                                                  ignore_eos=True, logprobs=2))[1]
+    lp = full["choices"][0]["logprobs"]
+    text = full["choices"][0]["text"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == 12
+    assert all(len(t) == 2 for t in lp["top_logprobs"])
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    # a stop string inside the answer: only the tokens whose text starts before it are listed
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = post(server, "/v1/completions", greedy(prompt="Once", max_tokens=12, ignore_eos=True,
+                                                 logprobs=0, stop=stop))[1]["choices"][0]
+    assert stop not in cut["text"] and text.startswith(cut["text"])
+    offsets = cut["logprobs"]["text_offset"]
+    assert offsets and all(o < max(len(cut["text"]), 1) for o in offsets)
+    assert len(offsets) < 12 and cut["logprobs"]["top_logprobs"][0] == {}
+    assert cut["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(offsets)]
+
+
+@pytest.mark.parametrize("path, extra, param, words", [
+    ("/v1/completions", {"logprobs": 1, "stream": True}, "logprobs", "stream"),
+    ("/v1/chat/completions", {"logprobs": True, "stream": True}, "logprobs", "stream"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs", "0"),
+    ("/v1/completions", {"presence_penalty": 2.5}, None, "presence_penalty must be"),
+    ("/v1/completions", {"repetition_penalty": 0}, None, "repetition_penalty must be"),
 ])
-def test_what_the_sampler_cannot_do_yet_is_a_400_naming_it(server, path, extra, param):
+def test_logprobs_and_penalties_out_of_range_are_a_400_naming_them(server, path, extra, param,
+                                                                   words):
     base = ({"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path
             else {"prompt": "Hi"})
     status, out = post(server, path, {**base, "max_tokens": 2, **extra})
     assert status == 400, out
-    assert param in out["error"]["message"] and "not supported yet" in out["error"]["message"]
-    assert out["error"]["param"] == param
+    assert words in out["error"]["message"], out
+    if param is not None:
+        assert param in (out["error"]["param"] or out["error"]["message"]), out
 
 
 @pytest.mark.parametrize("path, body, words", [

@@ -3,8 +3,8 @@ shapes of the answers.
 
 A request's body is checked field by field (pydantic) and then turned into what the engine
 takes: token ids and `SamplingParams`. Anything labkit cannot do is refused with a 400 that
-names it, never silently ignored: an unknown field, a prompt that does not fit the context, a
-sampling parameter the sampler does not have yet (`NOT_YET`). The answers (a whole completion,
+names it, never silently ignored: an unknown field, a prompt that does not fit the context,
+log-probabilities asked of a stream. The answers (a whole completion,
 the chunks of a streamed one, an error object) are built here too, as the OpenAI API spells
 them, so that a client written for OpenAI, vLLM or SGLang reads them unchanged.
 """
@@ -14,14 +14,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from labkit.sampling import SamplingParams
+from labkit.engine import Completion
+from labkit.sampling import MAX_LOGPROBS, SamplingParams
 from labkit.scheduler import RequestError, Scheduler
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -81,10 +81,9 @@ class Body(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None  # text that ends the answer (it is not included)
-    # accepted at their no-op values only, for now (NOT_YET)
-    presence_penalty: float | None = None
+    presence_penalty: float | None = None  # null: 0
     frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # an extension, as in vLLM
+    repetition_penalty: float | None = None  # an extension, as in vLLM (null: 1)
     ignore_eos: bool = False  # an extension, as in vLLM and SGLang: run to max_tokens
     user: str | None = None
 
@@ -93,7 +92,8 @@ class CompletionBody(Body):
     # one prompt, or a list of them (one choice each); text or token ids
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False  # the answer's text starts with its prompt's
-    logprobs: int | None = None  # NOT_YET
+    # the legacy API's k: each token's log-probability and its k most likely alternatives
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
 class ContentPart(BaseModel):
@@ -113,32 +113,26 @@ class ChatMessage(BaseModel):
 class ChatBody(Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # wins over max_tokens
-    logprobs: bool | None = None  # NOT_YET
-    top_logprobs: int | None = None  # NOT_YET
+    logprobs: bool | None = None  # each token's log-probability...
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # ...and k others
 
 
 # ---------------------------------------------------------------------------------------------
 # what a body becomes: the engine's settings, or a 400 that names what is wrong
 
-# Parameters that OpenAI clients send but labkit's sampler does not have yet: accepted at their
-# no-op values, refused with a 400 that names them otherwise. The one place to change when
-# `labkit.sampling` learns one: drop its line here and pass it on in `params_of`.
-NOT_YET: dict[str, tuple[str, Callable[[Any], bool]]] = {  # name -> (no-op value, is no-op?)
-    "presence_penalty": ("0", lambda v: v is None or v == 0),
-    "frequency_penalty": ("0", lambda v: v is None or v == 0),
-    "repetition_penalty": ("1", lambda v: v is None or v == 1),
-    "logprobs": ("null or false", lambda v: v is None or v is False),
-    "top_logprobs": ("null", lambda v: v is None),
-}
-
-
-def refuse_not_yet(body: Body) -> None:
-    """BadRequest naming the first parameter in NOT_YET that is set to more than a no-op."""
-    for name, (noop, is_noop) in NOT_YET.items():
-        value = getattr(body, name, None)
-        if not is_noop(value):
-            raise BadRequest(f"{name}={json.dumps(value)} is not supported yet: labkit's "
-                             f"sampler does not implement it ({name}={noop} is accepted)", name)
+def logprobs_of(body: Body) -> int | None:
+    """How many alternatives each token's log-probability comes with; None: none asked."""
+    if isinstance(body, ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        k = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        k = getattr(body, "logprobs", None)
+    if k is not None and body.stream:
+        raise BadRequest("logprobs with stream: true is not supported: this server returns "
+                         "log-probabilities with a whole answer; ask without stream",
+                         "logprobs")
+    return k
 
 
 def params_of(body: Body, ids: list[int], chat: bool, sched: Scheduler,
@@ -148,7 +142,11 @@ def params_of(body: Body, ids: list[int], chat: bool, sched: Scheduler,
         return SamplingParams(
             max_new_tokens=max_tokens_of(body, ids, chat, sched, default_max_tokens),
             temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-            ignore_eos=body.ignore_eos,
+            ignore_eos=body.ignore_eos, logprobs=logprobs_of(body),
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=(body.repetition_penalty
+                                if body.repetition_penalty is not None else 1.0),
             seed=body.seed if body.seed is not None else uuid.uuid4().int % 2**63)
     except (TypeError, ValueError) as err:
         raise BadRequest(str(err)) from None
@@ -221,16 +219,48 @@ def chat_messages(body: ChatBody) -> list[dict[str, str]]:
 # answers
 
 
+def logprobs_body(done: Completion, tokenizer, text_len: int, cut: bool, chat: bool,
+                  offset: int = 0) -> dict | None:
+    """A choice's `logprobs` as the OpenAI API spells it (chat: `content`, a list of tokens;
+    completions: the legacy parallel lists), or None if it did not ask.
+
+    A token is listed if its text starts inside the answer: after a stop string (`cut`), the
+    tokens that the engine generated past it are not part of the answer. The log-probabilities
+    are the model's own (see `labkit.sampling.token_logprobs`).
+    """
+    if done.logprobs is None:
+        return None
+    detok, pos = tokenizer.detokenizer(), 0
+    rows = []  # (token text, its start in the answer, log-probability, [(text, lp)])
+    for tok, (lp, top) in zip(done.output_ids, done.logprobs):
+        if cut and pos >= text_len:
+            break
+        piece = detok.push(tok)
+        rows.append((tokenizer.decode([tok]), pos, lp,
+                     [(tokenizer.decode([i]), x) for i, x in top]))
+        pos += len(piece)
+    if chat:
+        def entry(text: str, lp: float) -> dict:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, x) for a, x in top]}
+                            for t, _, lp, top in rows]}
+    return {"tokens": [t for t, *_ in rows], "token_logprobs": [lp for _, _, lp, _ in rows],
+            "top_logprobs": [dict(top) for *_, top in rows],
+            "text_offset": [offset + start for _, start, _, _ in rows]}
+
+
 def completion_body(rid: str, model: str, chat: bool, texts: list[str],
-                    finish_reasons: list[str], usage: dict, echo: list[str] | None) -> dict:
+                    finish_reasons: list[str], usage: dict, echo: list[str] | None,
+                    logprobs: list[dict | None] | None = None) -> dict:
     """The whole answer, one choice per text, as the OpenAI API spells it."""
     out = []
     for i, (text, finish) in enumerate(zip(texts, finish_reasons)):
-        choice: dict[str, Any] = {"index": i, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": i, "finish_reason": finish,
+                                  "logprobs": logprobs[i] if logprobs else None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice |= {"text": (echo[i] if echo else "") + text, "logprobs": None}
+            choice |= {"text": (echo[i] if echo else "") + text}
         out.append(choice)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": out, "usage": usage}

@@ -53,9 +53,9 @@ from labkit.serving.protocol import (
     completion_body,
     error_event,
     error_response,
+    logprobs_body,
     one_line,
     params_of,
-    refuse_not_yet,
     stop_strings,
 )
 from labkit.serving.worker import EngineWorker, Job
@@ -168,7 +168,6 @@ def create_app(engine: Engine, model_name: str, decoder: str = "pipelined",
             return error_response(404, f"model {body.model!r} is not served here; this server "
                                        f"has {model_name!r}", "model")
         try:
-            refuse_not_yet(body)
             stops = stop_strings(body.stop)
             params = [params_of(body, ids, chat, engine.scheduler, default_max_tokens)
                       for ids in prompts]
@@ -198,7 +197,11 @@ def create_app(engine: Engine, model_name: str, decoder: str = "pipelined",
             return failed
         texts = ["".join(pieces) for pieces in choices.texts]
         reasons = [choices.finish_reason(i) for i in range(len(jobs))]
-        return completion_body(rid, model_name, chat, texts, reasons, choices.usage(), echo)
+        logprobs = [logprobs_body(done, engine.tokenizer, len(text), job.stopped_by_text, chat,
+                                  len(echo[i]) if echo else 0)
+                    for i, (done, text, job) in enumerate(zip(choices.done, texts, jobs))]
+        return completion_body(rid, model_name, chat, texts, reasons, choices.usage(), echo,
+                               logprobs)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionBody):
