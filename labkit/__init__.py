@@ -37,9 +37,12 @@ def generate(prompts, params: SamplingParams | list[SamplingParams] | None = Non
              constraints=None) -> list[Completion]:
     """Generate for each prompt (text or token ids); results in input order.
 
-    `params`: one SamplingParams for all, or one per prompt. `on_text(index, text)` receives
-    text as it is detokenized. `constraints`: None, or one constraint spec per prompt (dicts as
-    in `labkit.constraints.parse_constraint`, or None).
+    `params`: one SamplingParams for all, or one per prompt; with `n` > 1 a prompt gets n
+    answers (parallel sampling: its prompt is computed once and its pages shared), listed
+    after one another, `Completion.sample` 0..n-1. `on_text(index, text)` receives text as it
+    is detokenized; `index` is the answer's position in the returned list. `constraints`:
+    None, or one constraint spec per prompt (dicts as in `labkit.constraints.parse_constraint`,
+    or None).
     """
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]
@@ -74,9 +77,13 @@ def generate(prompts, params: SamplingParams | list[SamplingParams] | None = Non
         # unless every request can run
         engine.check(ids, params_list[i] or SamplingParams(), constraint)
         encoded.append((ids, constraint))
-    index_of = {}
+    index_of: dict[int, int] = {}  # request id -> its position in the answer list
+    answer_of: list[tuple[int, int]] = []  # position -> (prompt index, sample)
     for i, ((ids, constraint), p) in enumerate(zip(encoded, params_list)):
-        index_of[engine.submit(ids, p, constraint=constraint)] = i
+        for j, rid in enumerate(engine.submit_samples(ids, p or SamplingParams(),
+                                                      constraint=constraint)):
+            index_of[rid] = len(answer_of)
+            answer_of.append((i, j))
     if on_text is not None:
         engine.on_text = lambda rid, text: on_text(index_of[rid], text) if rid in index_of \
             else None
@@ -90,8 +97,11 @@ def generate(prompts, params: SamplingParams | list[SamplingParams] | None = Non
         raise
     finally:
         engine.on_text = None
-    out = [engine.completion(rid, i, prompts[i] if isinstance(prompts[i], str) else None)
-           for rid, i in index_of.items()]
+    out = []
+    for rid, k in index_of.items():
+        i, j = answer_of[k]
+        out.append(engine.completion(rid, i, prompts[i] if isinstance(prompts[i], str) else None,
+                                     sample=j))
     for rid in index_of:  # the completions hold everything: the engine keeps no record
         engine.forget(rid)
     return out

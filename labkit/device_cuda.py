@@ -143,6 +143,7 @@ class DecodeGraphs:
         rows.copy_(r.to_device(plan.rows + [0] * pad), non_blocking=True)
         starts.copy_(r.to_device(plan.starts + [0] * pad), non_blocking=True)
         tables.copy_(r.to_device(host_tables), non_blocking=True)
+        r.copy_pages(plan.copies)  # copy-on-write, before the step writes the copies
         if on_staged is not None:
             on_staged()
         graph.replay()

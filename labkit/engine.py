@@ -53,6 +53,7 @@ class Completion:
     # SamplingParams.logprobs: per output token (its log-probability, [(id, log-probability)]
     # of the most likely), from the model's own distribution
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    sample: int = 0  # parallel sampling: which of the prompt's n answers
 
     @property
     def tpot_s(self) -> float:
@@ -83,7 +84,8 @@ class EngineStats:
     decode_rows: int = 0  # decode rows launched (one token each, fed back on the device)
     prefill_tokens: int = 0  # prompt (or recomputed) tokens computed, chunks included
     prefill_tokens_saved: int = 0  # prompt tokens served from shared prefix pages
-    pages_saved: int = 0  # page allocations avoided by prefix sharing
+    pages_saved: int = 0  # page allocations avoided by prefix sharing and by forks
+    cow_copies: int = 0  # shared pages copied at a sequence's first write (copy-on-write)
     preemptions: int = 0  # sequences preempted (their context recomputed later)
     zombie_rows: int = 0  # rows skipped at commit because their sequence had finished
     silent_rows: int = 0  # non-final prefill chunk rows (their sampled token discarded)
@@ -240,13 +242,27 @@ class Engine:
         return self.scheduler.check_request(prompt_ids, max_new)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
-               adapter: int | None = None, constraint=None) -> int:
-        """Queue a request; returns its id. Raises RequestError if it can never run."""
+               adapter: int | None = None, constraint=None, fork_of: int | None = None) -> int:
+        """Queue a request; returns its id. Raises RequestError if it can never run.
+
+        `fork_of`: a queued request with the same prompt (and adapter) whose prompt this one
+        shares, a sample of parallel sampling (`submit_samples`): its prompt is computed once,
+        its pages shared until written.
+        """
         params = params or SamplingParams()
+        if params.n != 1:
+            raise RequestError(f"submit queues one sequence, got n={params.n}: use "
+                               "submit_samples (or labkit.generate) for parallel sampling")
         prompt_ids = [int(t) for t in prompt_ids]
         max_new = self.check(prompt_ids, params, constraint)
+        parent = None
+        if fork_of is not None:
+            parent = self.seqs.get(fork_of)
+            if parent is None or parent.prompt_ids != prompt_ids or parent.adapter != adapter:
+                raise RequestError(f"fork_of={fork_of}: a fork needs a request of this engine "
+                                   "with the same prompt and adapter")
         seq = Sequence(self._next_id, prompt_ids, params, max_new, adapter=adapter,
-                       constraint=constraint)
+                       constraint=constraint, fork_of=parent)
         if constraint is not None:
             seq.constraint_state = constraint.start()
         if self.tokenizer is not None:
@@ -255,6 +271,18 @@ class Engine:
         self.seqs[seq.request_id] = seq
         self._next_id += 1
         return seq.request_id
+
+    def submit_samples(self, prompt_ids: list[int], params: SamplingParams, *,
+                       adapter: int | None = None, constraint=None) -> list[int]:
+        """Queue `params.n` samples of one prompt (parallel sampling); returns their ids. The
+        first is an ordinary request; the others fork from it, each with its own seed
+        (`SamplingParams.sample`), so sample j is what a request with that seed would get."""
+        self.check(prompt_ids, params.sample(0), constraint)  # nothing queued if it cannot run
+        first = self.submit(prompt_ids, params.sample(0), adapter=adapter,
+                            constraint=constraint)
+        return [first] + [self.submit(prompt_ids, params.sample(j), adapter=adapter,
+                                      constraint=constraint, fork_of=first)
+                          for j in range(1, params.n)]
 
     def cancel(self, request_id: int) -> bool:
         """Cancel a request at any moment; False if it had already finished."""
@@ -293,7 +321,10 @@ class Engine:
                         [r.start for r in rows],
                         [scratch if r.pad else r.seq.block_table for r in rows],
                         None if kind == "decode" else tokens, [r.seq.params for r in rows],
-                        devs if kind == "mixed" else None)
+                        devs if kind == "mixed" else None, copies=sched.copies,
+                        sample_from=None if all(r.sample_from is None for r in rows) else
+                        [i if r.sample_from is None else r.sample_from
+                         for i, r in enumerate(rows)])
         launch = Launch(plan, rows)
         self._span("plan", launch, t0)
         return launch
@@ -530,7 +561,7 @@ class Engine:
             self.on_step(self)
 
     def completion(self, request_id: int, index: int | None = None,
-                   prompt: str | None = None) -> Completion:
+                   prompt: str | None = None, sample: int = 0) -> Completion:
         """The finished request's result."""
         s = self.seqs[request_id]
         assert s.finalized, f"request {request_id} has not finished"
@@ -538,7 +569,7 @@ class Engine:
                           list(s.output_ids), s.text, s.finish_reason.value,
                           s.first_token_s if s.first_token_s is not None else float("nan"),
                           list(s.token_times_s), s.error,
-                          list(s.logprobs) if s.params.logprobs is not None else None)
+                          list(s.logprobs) if s.params.logprobs is not None else None, sample)
 
     def forget(self, request_id: int) -> None:
         """Drop a finished request's record (take its `completion` first), so that a

@@ -184,6 +184,12 @@ class PagedKVCache(KVStore):
         shape = (self.num_blocks, self.block_size, *self.k.shape[2:])
         return self.k[layer].view(shape), self.v[layer].view(shape)
 
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write: pages `dst` get the K and V of pages `src` ([n] each), every layer."""
+        shape = (self.k.shape[0], self.num_blocks, self.block_size, *self.k.shape[2:])
+        for pool in (self.k.view(shape), self.v.view(shape)):
+            pool[:, dst] = pool[:, src]  # the gather is a new tensor: no overlap hazard
+
     def slot(self, block_table: Sequence[int], pos: int) -> int:
         """Flat slot of token `pos` of a sequence with this block table."""
         return block_table[pos // self.block_size] * self.block_size + pos % self.block_size

@@ -9,8 +9,9 @@ property the pipelined decoder is built on.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +48,11 @@ class StepPlan:
     A row is one sequence's slice: a prefill chunk (its tokens sent in `tokens`) or a decode
     row (one token, read on the device from `last_tokens[row]`, marked in `from_device`). A
     launch of decode rows only is "decode", of chunks only "prefill", of both "mixed".
+
+    Parallel sampling adds a *fork row*: no tokens (query length 0), it samples from the
+    logits of the row that prefilled its prompt (`sample_from`). `copies`: pages to copy
+    before the forward, (source, destination), the copy-on-write of a shared page that a row
+    of this step writes into.
     """
 
     step: int
@@ -58,6 +64,8 @@ class StepPlan:
     tokens: list[int] | None  # the packed new tokens (0 where read on the device); decode: None
     params: list[SamplingParams]
     from_device: list[bool] | None = None  # mixed: rows whose input is the last sampled token
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) page
+    sample_from: list[int] | None = None  # each row's logits row (None: every row its own)
 
     def __post_init__(self) -> None:
         n = len(self.rows)
@@ -76,6 +84,30 @@ class StepPlan:
     def num_tokens(self) -> int:
         """Tokens the step computes (its share of the step's token budget)."""
         return sum(self.query_lens)
+
+    def computed(self) -> StepPlan:
+        """The rows the forward computes: this plan without its fork rows (query length 0)."""
+        if self.sample_from is None:
+            return self
+        keep = [i for i, q in enumerate(self.query_lens) if q > 0]
+
+        def pick(xs):
+            return None if xs is None else [xs[i] for i in keep]
+        return dataclasses.replace(
+            self, rows=pick(self.rows), query_lens=pick(self.query_lens),
+            starts=pick(self.starts), block_tables=pick(self.block_tables),
+            params=pick(self.params), from_device=pick(self.from_device), copies=[],
+            sample_from=None)
+
+    def logits_index(self) -> list[int] | None:
+        """For each row, its logits' row in the forward's output (which has no fork rows)."""
+        if self.sample_from is None:
+            return None
+        at, n = {}, 0
+        for i, q in enumerate(self.query_lens):
+            if q > 0:
+                at[i], n = n, n + 1
+        return [at[j] for j in self.sample_from]
 
     @property
     def counters(self) -> list[int]:
@@ -152,6 +184,8 @@ class ModelRunner:
         `on_staged()`, if given, runs once the inputs are enqueued and before the model's
         first kernel: where a device starts timing the forward (host staging is not device
         time)."""
+        self.copy_pages(plan.copies)
+        plan = plan.computed()  # fork rows compute nothing: they sample a sibling's logits
         meta = self._meta(plan)
         if plan.tokens is None:
             input_ids = self.last_tokens[self.to_device(plan.rows)]  # [B] read on the device
@@ -171,6 +205,12 @@ class ModelRunner:
         self.backend.begin_step(meta)
         return self.model(input_ids, meta.positions, self.backend, logit_rows=meta.last_rows)
 
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write, on the device, in launch order: each (source, destination) page."""
+        if copies:
+            src, dst = zip(*copies)
+            self.cache.copy_pages(self.to_device(list(src)), self.to_device(list(dst)))
+
     @torch.inference_mode()
     def sample(self, plan: StepPlan, logits: torch.Tensor, allowed: torch.Tensor | None = None,
                on_staged: Callable[[], object] | None = None, history: History | None = None
@@ -181,6 +221,9 @@ class ModelRunner:
         Rows that asked for log-probabilities leave them in `last_logprobs` ([B, 1 + 2k],
         see `token_logprobs`; None when no row asked), for the copy to the host.
         """
+        index = plan.logits_index()
+        if index is not None:  # fork rows draw from their prompt's logits
+            logits = logits[self.to_device(index)]
         vocab = logits.shape[-1]
         batch = SamplingBatch.build(plan.params, plan.counters, vocab, self.to_device)
         penalties = Penalties.build(history, plan.params, vocab, self.device, self.to_device)

@@ -16,6 +16,7 @@ after the rows before it.)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -29,6 +30,15 @@ FLOAT32_TINY = float(np.finfo(np.float32).smallest_subnormal)
 # in float32 (the largest is 3.4e38); 1e-6 is already greedy in all but exact ties
 MIN_TEMPERATURE = 1e-6
 MAX_LOGPROBS = 20  # alternatives a request may ask for per token (the OpenAI API's limit)
+MAX_SAMPLES = 128  # parallel samples of one prompt (OpenAI allows 128 choices)
+
+
+def _mix64(x: int) -> int:
+    """A 64-bit integer hash (splitmix64's finalizer): distinct seeds per sample."""
+    x &= 2**64 - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return x ^ (x >> 31)
 
 
 def _is_int(x) -> bool:
@@ -61,6 +71,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # None: no log-probabilities; k: each token's, and the k most likely in its place
     logprobs: int | None = None
+    n: int = 1  # parallel sampling: answers to draw for the prompt (see `sample`)
 
     def __post_init__(self) -> None:
         # bool is an int in Python, and JSON's `true` arrives as one: never a number here
@@ -103,9 +114,12 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] "
                              f"(the alternatives to return per token), got {self.logprobs!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+            raise ValueError(f"n must be an integer in [1, {MAX_SAMPLES}] (answers per prompt), "
+                             f"got {self.n!r}")
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
-        ints = ("max_new_tokens", "seed") + (("top_k",) if self.top_k is not None else ()) + (
+        ints = ("max_new_tokens", "seed", "n") + (("top_k",) if self.top_k is not None else ()) + (
             ("logprobs",) if self.logprobs is not None else ())
         for name in ints:
             object.__setattr__(self, name, int(getattr(self, name)))  # numpy ints -> int
@@ -114,6 +128,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the argmax is taken (temperature 0)."""
         return self.temperature == 0
+
+    def sample(self, j: int) -> SamplingParams:
+        """The settings of sample j of n (n = 1 each): sample 0 keeps the seed, sample j > 0
+        draws with a seed hashed from (seed, j), so the n answers differ and each is what a
+        single request with that seed would get. Greedy samples are all the same answer."""
+        if not 0 <= j < self.n:
+            raise ValueError(f"sample {j} of n={self.n}")
+        seed = self.seed if j == 0 else int(
+            _mix64(self.seed ^ (j * 0x9E3779B97F4A7C15 & (2**64 - 1)))) % 2**63
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def penalized(self) -> bool:

@@ -21,6 +21,15 @@ paging replaces). When a row that must run cannot get a page, the latest arrival
 (`inflight_refs == 0`), and it waits with prompt + outputs to be prefilled again (recompute).
 Sampling is keyed by (request seed, token index), so its tokens are the same as if it had never
 been preempted. A request that could never fit the pool is refused at submit.
+
+**Forks share, the first write copies.** Parallel sampling submits n sequences with one prompt;
+the later ones are forks of the first (`Sequence.fork_of`). They are admitted with it and wait,
+holding no pages, until its prompt's last chunk is planned; there each fork shares every page
+of the prompt, the last partial one included, and gets a *fork row* that computes nothing and
+samples its first token, with its own seed, from the same logits. A row never writes into a
+shared page: the first write copies it to a private page (a device copy in the same launch,
+before the forward: `copies`), and the last owner writes in place. A fork whose prompt's owner
+is preempted or ends first simply prefills its prompt itself.
 """
 
 from __future__ import annotations
@@ -78,6 +87,7 @@ class Row:
     emits: bool  # it ends the known context: its sampled token is the sequence's next one
     from_device: bool  # its one input token is the last one sampled, read on the device
     pad: bool = False  # static batching: a finished member kept in the batch as padding
+    sample_from: int | None = None  # a fork row: the launch row whose logits it samples
 
 
 def blocks_for(seq: Sequence, upto: int, block_size: int) -> int:
@@ -116,6 +126,11 @@ class Scheduler:
         self.running: list[Sequence] = []  # in arrival order; holds resources
         self.stats = stats  # an object with the counters below (EngineStats), or None
         self.step = 0  # the step counter, for the record of when things happened
+        # forks share their prompt's pages where pages are on demand and batches continuous
+        # (a contiguous cache or max reservation gives each its own slab)
+        self.fork_sharing = (reserve_tokens is None and kv_reserve == "on_demand"
+                             and batching == "continuous")
+        self.copies: list[tuple[int, int]] = []  # copy-on-write of the launch being planned
 
     def _count(self, name: str, n: int = 1) -> None:
         if self.stats is not None:
@@ -166,6 +181,7 @@ class Scheduler:
 
     def _plan(self) -> list[Row]:
         budget = self.max_step_tokens or 1 << 62
+        self.copies = []
         rows: list[Row] = []
         planned: set[int] = set()
         static = self.batching == "static"
@@ -189,7 +205,8 @@ class Scheduler:
         # 2. prefill chunks in arrival order: running sequences first, then admissions (each
         # admitted one planned before the next is matched, so it finds the pages just named)
         prefilling = [s for s in self.running if not (
-            s.preempted or s.finalized or s.decoding or s.request_id in planned)]
+            s.preempted or s.finalized or s.decoding or s.attached
+            or s.request_id in planned)]
         while budget > 0:
             if prefilling:
                 s = prefilling.pop(0)
@@ -205,15 +222,59 @@ class Scheduler:
             planned.add(s.request_id)
             budget -= n
             self._written(rows[-1])
+            if rows[-1].emits:
+                self._fork(s, len(rows) - 1, rows, planned)
         if rows:  # padding beside live rows only: a step of padding alone computes nothing
             rows += [Row(s, 0, 1, False, False, pad=True) for s in padding if not s.released]
         return rows
+
+    def _fork(self, seq: Sequence, row: int, rows: list[Row], planned: set[int]) -> None:
+        """`seq`'s prompt is complete in this launch: its attached forks share every page of it
+        and sample their first token from the same logits (fork rows, no tokens computed)."""
+        for f in self.running:
+            if not (f.attached and f.fork_of is seq):
+                continue
+            f.attached = False
+            if f.finalized:  # cancelled while it waited: it never shares
+                continue
+            self.allocator.share(seq.block_table)
+            f.block_table, f.page_hashes = list(seq.block_table), list(seq.page_hashes)
+            f.num_cached = seq.num_cached
+            self._count("prefill_tokens_saved", seq.num_cached)
+            self._count("pages_saved", len(seq.block_table))
+            rows.append(Row(f, f.num_cached, 0, True, False, sample_from=row))
+            planned.add(f.request_id)
+            self._written(rows[-1])
+
+    def _detach(self, seq: Sequence) -> None:
+        """`seq` will not finish its prompt now: its waiting forks prefill it themselves."""
+        for f in self.running:
+            if f.attached and f.fork_of is seq:
+                f.attached = False
+
+    def _shared_in(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Indices into seq's block table of shared pages that positions start..end-1 write."""
+        bs, table = self.block_size, seq.block_table
+        return [i for i in range(start // bs, min(-(-end // bs), len(table)))
+                if self.allocator.refcount(table[i]) > 1]
+
+    def _copy_on_write(self, seq: Sequence, start: int, end: int) -> None:
+        """Give `seq` a private copy of each shared page it is about to write (pages free)."""
+        for i in self._shared_in(seq, start, end):
+            src = seq.block_table[i]
+            dst = self.allocator.allocate(1)[0]
+            self.copies.append((src, dst))
+            seq.block_table = seq.block_table[:i] + [dst] + seq.block_table[i + 1:]
+            self.allocator.free([src])  # one owner fewer; the last one writes it in place
+            self._count("cow_copies")
 
     def _written(self, r: Row) -> None:
         """Book what a planned row computes: the launch that carries it writes its KV."""
         s, bs = r.seq, self.block_size
         # a row writes only pages its sequence alone owns (shared ones are read-only)
-        self.allocator.check_writable(s.block_table[r.start // bs:(r.start + r.n - 1) // bs + 1])
+        if r.n:
+            self.allocator.check_writable(
+                s.block_table[r.start // bs:(r.start + r.n - 1) // bs + 1])
         s.num_cached += r.n
         if r.emits:
             s.pending += 1
@@ -238,7 +299,9 @@ class Scheduler:
         """Pages for a row that must run (a decode row), preempting the latest arrival if the
         pool is short. False when `seq` cannot run this step (preempted itself, or waiting
         for a preempted sequence's pages to come back from a launched step)."""
-        need = blocks_for(seq, end, self.block_size)
+        # new pages past the table, and a private copy of each shared page it writes
+        need = blocks_for(seq, end, self.block_size) + len(
+            self._shared_in(seq, seq.num_cached, end))
         while need > self.allocator.num_free:
             if need <= self.allocator.num_free + self._returning_pages():
                 return False  # pages come back at the next commit: skip one step
@@ -247,6 +310,7 @@ class Scheduler:
             self.preempt(victim)
             if victim is seq:
                 return False
+        self._copy_on_write(seq, seq.num_cached, end)
         self._take_pages(seq, end)
         return True
 
@@ -278,6 +342,19 @@ class Scheduler:
         if self.kv_reserve == "max":
             self._take_pages(seq, reserve)
         self.waiting.popleft()
+        self._run(seq)
+        if self.fork_sharing and not seq.output_ids:
+            for f in list(self.waiting):  # its forks come in beside it while rows are free
+                if (f.fork_of is seq and not f.output_ids and len(self.running) <
+                        self.max_running and self.rows.num_free and
+                        (f.adapter is None or self.adapters.num_free)):
+                    self.waiting.remove(f)
+                    self._run(f)
+                    f.attached = True
+        return seq
+
+    def _run(self, seq: Sequence) -> None:
+        """Move an admitted sequence into running, with a device row (and adapter slot)."""
         seq.row = self.rows.take()
         if seq.adapter is not None:
             seq.adapter_slot = self.adapters.take()
@@ -285,7 +362,6 @@ class Scheduler:
         seq.decoding, seq.pending = False, 0
         ids = [s.request_id for s in self.running]
         self.running.insert(bisect.bisect(ids, seq.request_id), seq)
-        return seq
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Share cached full pages of the sequence's context (prompt, plus outputs after a
@@ -310,7 +386,8 @@ class Scheduler:
         """Stop planning `seq`; it returns to waiting once no launched step references it."""
         if seq.preempted or seq.finalized:
             return
-        seq.preempted = True
+        seq.preempted, seq.attached = True, False
+        self._detach(seq)
         self._count("preemptions")
         self.release_if_done(seq)
 
@@ -334,6 +411,7 @@ class Scheduler:
             return
         seq.finalized, seq.finish_reason = True, reason
         seq.finished_at_step = self.step
+        self._detach(seq)
         if seq.status is Status.WAITING:  # not admitted, or preempted and drained: holds nothing
             self.waiting.remove(seq)
             seq.status, seq.released = Status.FINISHED, True

@@ -76,6 +76,10 @@ class Sequence:
     decoding: bool = False  # its context is computed: next rows feed back its last token
     preempted: bool = False  # out of the plan; its pages return at inflight_refs == 0
     page_hashes: list[int] = field(default_factory=list)  # prefix-cache names of full pages
+    # parallel sampling: the sequence whose prompt this one shares (None: its own), and
+    # whether it is admitted beside it, waiting to fork when that prompt's last chunk runs
+    fork_of: Sequence | None = None
+    attached: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,7 @@ from labkit.sampling import SamplingBatch, SamplingParams, sample
 from tests import fake_cuda
 from tests import test_decoders as td
 from tests import test_device_cuda as tdc
+from tests import test_parallel_sampling as tps
 from tests import test_penalties_logprobs as tpl
 
 pytestmark = pytest.mark.skipif(
@@ -120,6 +121,12 @@ def test_cuda_penalties_and_logprobs(fake):
     # the history staged through pinned memory; the logprobs back in the tokens' copy
     tpl.test_decoders_agree_on_tokens_and_logprobs("cuda")
     tpl.test_tokens_and_logprobs_follow_the_cacheless_model("cuda")
+
+
+@pytest.mark.parametrize("decoder", ["blocking", "pipelined"])
+def test_cuda_parallel_sampling(fake, decoder):
+    # copy-on-write before a graph replay, fork rows in eager prefill launches
+    tps.test_random_forks_cancels_and_preemptions_keep_every_token("cuda", decoder)
 
 
 def test_cuda_graphs_off(fake, monkeypatch):

@@ -11,8 +11,15 @@ from labkit import decoders
 from labkit.engine import Engine
 from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.perplexity import CausalAttention
-from labkit.sampling import (MAX_LOGPROBS, Penalties, SamplingBatch, SamplingParams, sample,
-                             token_logprobs, unpack_logprobs)
+from labkit.sampling import (
+    MAX_LOGPROBS,
+    Penalties,
+    SamplingBatch,
+    SamplingParams,
+    sample,
+    token_logprobs,
+    unpack_logprobs,
+)
 
 CFG = ModelConfig.tiny()
 MODEL = init_random(LlamaModel(CFG).eval(), seed=3)
