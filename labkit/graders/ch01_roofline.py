@@ -24,7 +24,8 @@ def grade_matmul_intensity(fn: Callable) -> str:
                 flops / ((m * k + k * n) * b),
             "Counted only the weights B (K*N); A and C are moved too.": flops / (k * n * b),
             "That is bytes per FLOP: intensity is FLOPs / bytes.": elems * b / flops,
-            "Integer division (//) rounds the intensity down: use /.": float(flops // (elems * b)),
+            "Integer division (// or int()) rounds the intensity down: keep the fraction, "
+            "use /.": float(flops // (elems * b)),
         }))
     diagnose("matmul_intensity", cases)
     return f"exact on {len(shapes)} shapes, from a matvec (I ~ 1) to square matmuls"
