@@ -149,7 +149,8 @@ def test_chat_completion_plain_and_streamed(smollm2_server, reference):
 
 @pytest.mark.parametrize("body, field", [
     ({"max_tokens": 4}, "prompt"),  # no prompt
-    ({"prompt": "hi", "n": 2}, "n"),  # one choice per request
+    ({"prompt": "hi", "n": 0}, "n"),  # at least one answer
+    ({"prompt": "hi", "n": 129}, "n"),  # at most 128, as OpenAI
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),

@@ -238,6 +238,40 @@ def test_penalties_reach_the_sampler(server):
     assert want != plain, "the penalties changed nothing: were they passed on?"
 
 
+def test_n_answers_per_prompt_are_labkits_samples(server):
+    """`n`: choice i * n + j is sample j of prompt i, the same answer `labkit.generate` gives
+    for that sample; streamed, every choice's chunks carry its index; the prompt's tokens are
+    counted once."""
+    import labkit
+    from labkit.engine import Engine
+    from labkit.loading import load_model
+    from labkit.sampling import SamplingParams
+
+    body = {"prompt": ["Once upon a time", "The sky"], "max_tokens": 8, "temperature": 1.0,
+            "seed": 5, "n": 3, "ignore_eos": True}
+    status, out = post(server, "/v1/completions", body)
+    assert status == 200, out
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    model, tok = load_model("tiny")
+    engine = Engine(model, tok, kv_tokens=KV_TOKENS)
+    try:
+        want = labkit.generate(body["prompt"], SamplingParams(
+            max_new_tokens=8, temperature=1.0, seed=5, n=3, ignore_eos=True), engine=engine)
+    finally:
+        engine.close()
+    assert [c["text"] for c in out["choices"]] == [c.text for c in want]
+    assert len({c["text"] for c in out["choices"][:3]}) > 1, "the samples differ"
+    n_prompt = sum(len(tok.encode(p)) for p in body["prompt"])
+    assert out["usage"]["prompt_tokens"] == n_prompt
+    assert out["usage"]["completion_tokens"] == 6 * 8
+    events = stream(server, "/v1/completions", {**body, "stream": True})
+    texts = [""] * 6
+    for e in events:
+        for c in (e["choices"] if isinstance(e, dict) else []):  # "[DONE]" last
+            texts[c["index"]] += c["text"]
+    assert texts == [c.text for c in want]
+
+
 def test_chat_logprobs_come_with_each_token(server):
     status, out = post(server, "/v1/chat/completions", greedy(
         messages=[{"role": "user", "content": "Hi"}], max_tokens=6, ignore_eos=True,

@@ -64,8 +64,10 @@ class Choices:
                 self.worker.cancel(job)
 
     def usage(self) -> dict:
-        """The token counts, summed over the choices."""
-        n_in = sum(len(c.prompt_ids) for c in self.done if c is not None)
+        """The token counts, summed over the choices (a prompt counted once, not per sample:
+        its forks shared its computation)."""
+        n_in = sum(len(c.prompt_ids) for c, job in zip(self.done, self.jobs)
+                   if c is not None and job.fork_of is None)
         n_out = sum(len(c.output_ids) for c in self.done if c is not None)
         return {"prompt_tokens": n_in, "completion_tokens": n_out,
                 "total_tokens": n_in + n_out}

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from labkit.engine import Completion
-from labkit.sampling import MAX_LOGPROBS, SamplingParams
+from labkit.sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 from labkit.scheduler import RequestError, Scheduler
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -77,7 +77,7 @@ class Body(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=1)  # an extension, as in vLLM
     seed: int | None = Field(default=None, ge=0)
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=MAX_SAMPLES)  # answers per prompt (parallel sampling)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None  # text that ends the answer (it is not included)
@@ -142,7 +142,7 @@ def params_of(body: Body, ids: list[int], chat: bool, sched: Scheduler,
         return SamplingParams(
             max_new_tokens=max_tokens_of(body, ids, chat, sched, default_max_tokens),
             temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-            ignore_eos=body.ignore_eos, logprobs=logprobs_of(body),
+            ignore_eos=body.ignore_eos, logprobs=logprobs_of(body), n=body.n,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=(body.repetition_penalty

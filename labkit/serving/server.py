@@ -177,8 +177,13 @@ def create_app(engine: Engine, model_name: str, decoder: str = "pipelined",
             return error_response(400, str(err), err.param)
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        jobs = [Job(ids, p, loop, events, index=i)
-                for i, (ids, p) in enumerate(zip(prompts, params))]
+        jobs: list[Job] = []  # choice i * n + j: sample j of prompt i; samples j > 0 fork
+        for ids, p in zip(prompts, params):
+            first = Job(ids, p.sample(0), loop, events, index=len(jobs))
+            jobs += [first] + [Job(ids, p.sample(j), loop, events, index=len(jobs) + j,
+                                   fork_of=first) for j in range(1, body.n)]
+        if echo is not None:  # each choice starts with its own prompt's text
+            echo = [text for text in echo for _ in range(body.n)]
         try:
             for job in jobs:
                 worker.submit(job)

@@ -39,6 +39,7 @@ class Job:
     index: int = 0  # the choice it answers
     request_id: int | None = None
     stopped_by_text: bool = False  # the HTTP side met a stop string and cancelled it
+    fork_of: Job | None = None  # parallel sampling: the job whose prompt this one shares
 
     def send(self, kind: str, value: Any) -> None:
         """Deliver an event to the HTTP side (called from the engine thread)."""
@@ -138,7 +139,9 @@ class EngineWorker:
         assert job is not None
         if kind == "submit":
             try:
-                job.request_id = self.engine.submit(job.prompt_ids, job.params)
+                parent = job.fork_of.request_id if job.fork_of is not None else None
+                job.request_id = self.engine.submit(job.prompt_ids, job.params,
+                                                    fork_of=parent)
             except (RequestError, ValueError) as err:
                 job.send("failed", (400, str(err)))
                 return True
