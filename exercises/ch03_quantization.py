@@ -10,7 +10,9 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     scale[n] = max(|w[n, :]|) / 127 (fp32, shape [N]); q[n, k] = w[n, k] / scale[n] rounded
     to the NEAREST integer and kept in [-127, 127], stored as torch.int8. Return (q, scale), so
-    that w ~ q * scale[:, None]. labkit's version: labkit/quant.py::quantize_int8.
+    that w ~ q * scale[:, None]. A row of zeros has max 0: give it a small positive scale
+    (clamp the max to e.g. 1e-8), never 0, so its codes are 0 and not 0 / 0 = NaN.
+    labkit's version: labkit/quant.py::quantize_int8.
     """
     raise NotImplementedError("quantize_int8: see the docstring for the task")
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from labkit.claims import torch_threads
 from labkit.perplexity import CausalAttention
-from labkit.quant import QuantScheme, fake_quantize, quantize_model, untie_head
+from labkit.quant import QuantScheme, check_fits, fake_quantize, quantize_model, untie_head
 
 GRID = 20  # alpha in 0, 1/GRID, ..., 1: the exercise's search (one small linear)
 MODEL_GRID = 10  # a whole model: alpha in 0, 0.1, ..., 1 (a finer grid gained nothing measured)
@@ -127,6 +127,7 @@ def quantize_awq(model: nn.Module, scheme: QuantScheme | str, calib_ids: torch.T
     """AWQ then round to nearest: search and fold the scales on calib_ids [T], then
     labkit.quant.quantize_model; in place, returns the model."""
     scheme = QuantScheme.parse(scheme)
+    check_fits(model, scheme)  # a group that does not divide a K: refused before the search
     untie_head(model)
     # one thread: the search is thousands of small ops, and each one split over 2 threads waits
     # for the slower; beside one busy core, 2 threads took ~5 min here (1 thread: 12 s, loaded)

@@ -9,8 +9,10 @@ buys nothing. So `QuantLinear` runs torch's packed CPU kernels:
 - **int8**, symmetric, one scale per output channel: `w ~ q * s`, q in [-127, 127] (never
   -128: with a symmetric scale s = max|w| / 127 the code -128 is never a rounded value, and
   clamping to it would make the grid lopsided). Kernel: `torch._weight_int8pack_mm`.
-- **int4**, asymmetric, one scale and one zero per group of `g` input weights (g = 32/64/128):
-  `w ~ (q - 8) * s + z`, q in [0, 15], which is exactly the tinygemm kernel's formula.
+- **int4**, asymmetric, one scale and one zero per group of `g` input weights (g = 32/64/128,
+  and g must divide the linear's K: a group that does not is refused, never swapped for a
+  smaller one): `w ~ (q - 8) * s + z`, q in [0, 15], which is exactly the tinygemm kernel's
+  formula.
   Kernel: labkit's `int4_linear` (below), else `torch._weight_int4pack_mm_for_cpu` on
   `torch._convert_weight_to_int4pack_for_cpu` (on CUDA, tinygemm).
 - Both round to nearest (RTN). **AWQ-style** scaling goes further: before rounding, multiply the
@@ -108,7 +110,9 @@ def _to_bf16_up(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_int8(w: torch.Tensor, bf16_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Round w [N, K] to int8 codes q [N, K] in [-127, 127] and per-row scales s [N]: w ~ q * s."""
-    # one scale per output channel (row): a row's outliers cost only that row's resolution
+    # one scale per output channel (row): a row's outliers cost only that row's resolution.
+    # An all-zero row has max 0: a scale of 0 would make its codes 0 / 0 = NaN, so the max is
+    # clamped to a tiny positive number (the row's codes are then 0, and so is its dequant)
     amax = w.abs().amax(dim=1).float().clamp(min=1e-8)  # [N]
     scale = amax / 127.0
     if bf16_scales:  # the kernel multiplies by a bf16 scale: make it exactly that one
@@ -156,7 +160,7 @@ def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """Quantize then dequantize w [N, K] (fp32 in, fp32 out): the error, without the savings."""
     if scheme.bits == 8:
         return dequantize_int8(*quantize_int8(w, bf16_scales=True))
-    return dequantize_int4(*quantize_int4(w, int4_group_for(w.shape[1], scheme.group_size),
+    return dequantize_int4(*quantize_int4(w, check_int4_group(w.shape[1], scheme.group_size),
                                           bf16_scales=True))
 
 
@@ -172,14 +176,41 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
 
 
-def int4_group_for(k: int, group_size: int) -> int:
-    """The group used for a K-wide input: the scheme's, halved until it divides K (576 -> 64)."""
-    g = group_size
-    while k % g and g > 16:
-        g //= 2
-    if k % g:
-        raise ValueError(f"int4: no group size from {group_size} down to 16 divides K={k}")
-    return g
+def int4_groups_dividing(k: int) -> list[int]:
+    """The int4 group sizes (INT4_GROUPS) that divide K: those a K-wide linear can take."""
+    return [g for g in INT4_GROUPS if k % g == 0]
+
+
+def check_int4_group(k: int, group_size: int) -> int:
+    """The group for a K-wide input: the one asked for, if it divides K; else ValueError.
+
+    Never a smaller one in its place: a learner who asks for int4-g128 must measure g128, or
+    be told why not."""
+    if k % group_size:
+        fit = int4_groups_dividing(k)
+        raise ValueError(f"int4-g{group_size}: a linear reads K = {k} inputs, which is not a "
+                         f"multiple of {group_size}, so its last group would be short; "
+                         + (f"the groups that divide {k}: {', '.join(map(str, fit))}" if fit
+                            else f"none of {INT4_GROUPS} divides {k}"))
+    return group_size
+
+
+def check_fits(model: nn.Module, scheme: QuantScheme) -> None:
+    """Refuse (ValueError) an int4 scheme whose group does not divide every projection's K,
+    naming the K and the schemes that would fit; before anything in the model changes."""
+    if scheme.bits != 4:
+        return
+    ks = sorted({lin.in_features for _, _, lin in _linears(model)})
+    bad = [k for k in ks if k % scheme.group_size]
+    if bad:
+        fit = [QuantScheme(4, g, scheme.awq).name for g in INT4_GROUPS
+               if all(k % g == 0 for k in ks)]
+        raise ValueError(
+            f"{scheme.name} does not fit this model: its linears read K = "
+            f"{', '.join(map(str, ks))} inputs, and {bad[0]} is not a multiple of "
+            f"{scheme.group_size} (labkit never swaps in a smaller group). "
+            + (f"Schemes that fit every linear: {', '.join(fit)}" if fit
+               else f"No int4 group of {INT4_GROUPS} fits every linear"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +231,7 @@ class QuantLinear(nn.Module):
                  bias: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
-        self.group_size = (int4_group_for(in_features, scheme.group_size)
+        self.group_size = (check_int4_group(in_features, scheme.group_size)
                            if scheme.bits == 4 else None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
                                                            requires_grad=False)
@@ -377,8 +408,8 @@ def quantize_model(model: nn.Module, scheme: QuantScheme | str) -> nn.Module:
     scheme = QuantScheme.parse(scheme)
     if scheme is None:
         return model
-    _linears(model)  # refuses a fused model before anything changes
-    untie_head(model)
+    check_fits(model, scheme)  # refuses a fused model, or a group that does not divide a K,
+    untie_head(model)  # before anything changes
     for parent, attr, lin in _linears(model):
         setattr(parent, attr, QuantLinear.from_weight(lin.weight.detach(), scheme, lin.bias))
     return model.eval().requires_grad_(False)
@@ -392,6 +423,7 @@ def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_quantized(model: nn.Module, scheme: QuantScheme, state: dict[str, torch.Tensor]
                    ) -> nn.Module:
     """Rebuild a quantized model from `quantized_state` output, on an fp32 model; in place."""
+    check_fits(model, scheme)  # an entry written before groups were checked holds other groups
     names = [f"layers.{i}.{a}" for i in range(len(model.layers)) for a in PROJECTIONS]
     for name in [*names, "lm_head"]:
         q, s = state[f"{name}.qweight"], state[f"{name}.scale"]

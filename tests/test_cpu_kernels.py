@@ -71,8 +71,8 @@ def _int4_linear(n=203, k=96, spec="int4-g32", bias=False, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 33])
-@pytest.mark.parametrize("spec,k", [("int4-g32", 96), ("int4-g32", 48), ("int4-g64", 192),
-                                    ("int4-g128", 256)])  # K = 48: groups of 16
+@pytest.mark.parametrize("spec,k", [("int4-g32", 96), ("int4-g32", 224), ("int4-g64", 192),
+                                    ("int4-g128", 256)])  # K = 224: 7 groups, an odd count
 def test_the_int4_kernel_equals_the_dequantized_reference(rows, spec, k):
     # N = 203: blocks of 4 (one row of x), 2 (two or three) and 3 (four and more) all end short
     lin = _int4_linear(k=k, spec=spec, bias=rows == 3)

@@ -84,7 +84,8 @@ def test_packed_kernel_layout_holds_the_codes(spec):
 @pytest.mark.parametrize("spec", SCHEMES)
 def test_quant_linear_matches_the_dequantize_reference(spec):
     gen = torch.Generator().manual_seed(4)
-    w, x = torch.randn(192, 576, generator=gen), torch.randn(7, 576, generator=gen)
+    # K = 1152 = 2 x SmolLM2's 576: a multiple of every group, 128 included
+    w, x = torch.randn(192, 1152, generator=gen), torch.randn(7, 1152, generator=gen)
     ql = QuantLinear.from_weight(w, QuantScheme.parse(spec), bias=torch.randn(192, generator=gen))
     got, want = ql(x), ql.reference(x)
     # tolerance: bf16 activations (8 bits of mantissa, 2^-9 relative) and bf16 outputs: 1% of
@@ -102,6 +103,50 @@ def test_scheme_names_parse_and_bad_ones_say_what_is_allowed():
     for bad in ("int3", "int4-g48", "int8-g32", "fp8"):
         with pytest.raises(ValueError, match="int"):
             QuantScheme.parse(bad)
+
+
+def test_an_all_zero_row_quantizes_to_zeros_not_nan():
+    # a pruned output channel: max|w| = 0, and a scale of 0 would give codes 0 / 0 = NaN
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(6))
+    w[2] = 0
+    q, s = quantize_int8(w)
+    assert bool(torch.isfinite(s).all()) and float(s[2]) > 0, f"zero row's scale {float(s[2])}"
+    assert not bool(q[2].any()), "an all-zero row's int8 codes must be 0"
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7))
+    for spec in ("int8", "int4-g32"):
+        ql = QuantLinear.from_weight(w, QuantScheme.parse(spec))
+        assert bool((ql.dequantized()[2] == 0).all()), f"{spec}: the zero row dequantizes to 0"
+        y = ql(x)  # [3, 4]
+        assert bool(torch.isfinite(y).all()) and float(y[:, 2].abs().max()) == 0, spec
+
+
+def test_a_group_that_does_not_divide_k_is_refused_never_replaced():
+    # SmolLM2 reads K = 576 (= 4.5 x 128) in most linears: g128 cannot fit it, and a group of
+    # 64 in its place would measure g64 under the name g128
+    w = torch.randn(8, 576, generator=torch.Generator().manual_seed(8))
+    with pytest.raises(ValueError, match=r"K = 576 .*groups that divide 576: 32, 64"):
+        QuantLinear.from_weight(w, QuantScheme.parse("int4-g128"))
+    assert QuantLinear.from_weight(w, QuantScheme.parse("int4-g64")).group_size == 64
+    model = tiny_model()  # K = 64 (q/k/v, gate/up, o, head) and 128 (down)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"int4-g128 does not fit.*K = 64, 128.*int4-g32, "
+                                         r"int4-g64"):
+        quantize_model(model, "int4-g128")
+    with pytest.raises(ValueError, match="int4-g128-awq does not fit.*int4-g32-awq, int4-g64-awq"):
+        quantize_awq(model, "int4-g128-awq", torch.arange(32))
+    after = model.state_dict()
+    assert model.lm_head is None and all(torch.equal(before[k], after[k]) for k in before), \
+        "a refused scheme changed the model"
+
+
+def test_bench_quant_refuses_g128_on_smollm2_and_names_the_groups_that_fit(capsys):
+    from labkit.bench.quant import main as bench_quant_main
+
+    code = bench_quant_main(["--schemes", "int4-g32,int4-g128", "--batches", "1", "--rounds",
+                             "1", "--steps", "1", "--nll-tokens", "16", "--gen-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 2, "bench quant measured int4-g128 on a model whose K = 576"
+    assert "int4-g128 does not fit" in err and "int4-g32, int4-g64" in err, err
 
 
 def tiny_model(seed: int = 0) -> LlamaModel:
