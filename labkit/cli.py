@@ -19,7 +19,7 @@ from labkit.cli_parser import add_engine_flags, command_parser, engine_kwargs
 FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
          "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-         "repetition_penalty": "--repetition-penalty"}
+         "repetition_penalty": "--repetition-penalty", "n": "--n"}
 JSONL_KEYS = {"prompt", "chat", "constraint", *FLAGS}
 
 
@@ -47,6 +47,9 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divides (or, if negative, multiplies) the logit of every token of "
                         "prompt and answer; above 1 discourages repeats")
+    p.add_argument("--n", type=int, default=1,
+                   help="answers per prompt (parallel sampling: the prompt is computed once "
+                        "and its KV pages shared; each answer has its own seed)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     add_engine_flags(p)
     p.add_argument("--json", action="store_true",
@@ -155,7 +158,7 @@ def _generate(args) -> int:
                 raise UsageError(f"{r['where']}: constraint: {err}") from None
         prompt_ids.append(ids)
         constraints.append(r["constraint"])
-    stream = not args.json and len(requests) == 1
+    stream = not args.json and len(requests) == 1 and params[0].n == 1
     on_text = (lambda i, text: (sys.stdout.write(text), sys.stdout.flush())) if stream else None
     t1 = time.perf_counter()
     try:
@@ -166,15 +169,16 @@ def _generate(args) -> int:
     gen_s = time.perf_counter() - t1
     for o in outs:
         if args.json:
-            print(json.dumps({"index": o.index, "prompt_ids": o.prompt_ids,
+            print(json.dumps({"index": o.index, "sample": o.sample, "prompt_ids": o.prompt_ids,
                               "output_ids": o.output_ids, "text": o.text,
                               "finish_reason": o.finish_reason}, ensure_ascii=False))
         elif stream:
             print()
         else:
-            print(f"--- [{o.index}] ({o.finish_reason})\n{o.text}")
-    at_once = [o.index for o, r in zip(outs, requests)
-               if o.finish_reason == "stop" and not o.text.strip() and not r["chat"]]
+            sample = f".{o.sample}" if params[o.index].n > 1 else ""
+            print(f"--- [{o.index}{sample}] ({o.finish_reason})\n{o.text}")
+    at_once = sorted({o.index for o in outs if o.finish_reason == "stop"
+                      and not o.text.strip() and not requests[o.index]["chat"]})
     if at_once:  # a learner's first run must not end in silence
         print(f"[labkit] request {', '.join(map(str, at_once))} ended at once: the first token "
               "was end-of-sequence. An instruct model (SmolLM2-Instruct is one) answers a bare "
@@ -182,10 +186,12 @@ def _generate(args) -> int:
               "continue (\"The sky is blue because\").", file=sys.stderr)
     n_tok = sum(len(o.output_ids) for o in outs)
     ttft = sorted(o.ttft_s for o in outs)[len(outs) // 2]
-    print(f"[labkit] {len(outs)} requests, {n_tok} tokens in {gen_s:.2f} s "
+    shared = (f", {engine.stats.prefill_tokens_saved} prompt tokens and "
+              f"{engine.stats.pages_saved} KV pages shared" if engine.stats.pages_saved else "")
+    print(f"[labkit] {len(outs)} answers, {n_tok} tokens in {gen_s:.2f} s "
           f"({n_tok / gen_s:.1f} tok/s), median time to first token {ttft * 1e3:.0f} ms, "
           f"model load {load_s:.1f} s, decoder {args.decoder}, "
-          f"attention {args.attention}, quant {args.quant}", file=sys.stderr)
+          f"attention {args.attention}, quant {args.quant}{shared}", file=sys.stderr)
     return 0
 
 

@@ -286,8 +286,10 @@ def test_example_requests_file_covers_every_setting_and_runs():
     proc = labkit("generate", "--model", "tiny", "--json", "--max-new-tokens", "6",
                   "--prompts-file", path)
     outs = json_lines(proc)
-    assert len(outs) == len(lines)
-    for o, line in zip(outs, lines):
+    assert [(o["index"], o["sample"]) for o in outs] == [
+        (i, j) for i, line in enumerate(lines) for j in range(line.get("n", 1))]
+    for o in outs:
+        line = lines[o["index"]]
         spec = line.get("constraint")
         if spec is None:
             assert len(o["output_ids"]) <= line.get("max_new_tokens", 6), (line, o)
@@ -314,3 +316,14 @@ def test_flash_attention_backend_gives_the_same_tokens():
     paged = json_lines(labkit(*args))
     flash = json_lines(labkit(*args, "--attention", "flash"))
     assert [o["output_ids"] for o in flash] == [o["output_ids"] for o in paged]
+
+
+def test_generate_n_draws_n_answers_sharing_the_prompt():
+    proc = labkit("generate", "--model", "tiny", "--json", "--n", "3", "--temperature", "1",
+                  "--max-new-tokens", "5", "Tell me a story")
+    outs = json_lines(proc)
+    assert [(o["index"], o["sample"]) for o in outs] == [(0, 0), (0, 1), (0, 2)]
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1, "each answer has its own seed"
+    assert "KV pages shared" in proc.stderr
+    bad = labkit("generate", "--model", "tiny", "--n", "0", "hi")
+    assert bad.returncode == 2 and "--n: n must be an integer in [1, 128]" in bad.stderr
