@@ -13,7 +13,8 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 def translate(block_table, pos: int, block_size: int) -> int:
     """Return the flat slot of token `pos` of a sequence: its page is
     block_table[pos // block_size], and slot = page * block_size + pos % block_size. Raise
-    IndexError for a position the block table does not cover."""
+    IndexError for a position the block table does not cover: past its end, or negative
+    (mind Python: block_table[-1] is the last page, not an error)."""
     raise NotImplementedError("translate: see the docstring for the task")
 
 
@@ -23,11 +24,12 @@ class CowPages:
     - `alloc() -> page`: a free page, now with one reference (MemoryError if none is free);
     - `share(page) -> page`: one more holder (a sequence with the same prefix); returns `page`;
     - `free(page)`: drop one reference; the page is free again only when none is left;
-      freeing a free page raises RuntimeError;
     - `write(page) -> page`: the page a holder may write: `page` itself if it is the only
       holder, else a freshly allocated copy; the caller's reference moves from `page` to the
       copy (the other holders keep reading the original, unchanged);
-    - `refcount(page) -> int` and the property `num_free`.
+    - `refcount(page) -> int`, and the property `num_free`: pages nobody holds (a page shared
+      by three sequences is one page in use, not three);
+    - sharing, writing or freeing a free page raises RuntimeError, and changes nothing.
     """
 
     def __init__(self, num_pages: int):

@@ -34,9 +34,15 @@ POLICIES = ("contiguous", "reserve", "on_demand")
 def translate(block_table: Sequence[int], pos: int, block_size: int) -> int:
     """Flat slot of token `pos`: page `block_table[pos // block_size]`, offset
     `pos % block_size` within it."""
-    if pos < 0 or pos // block_size >= len(block_table):
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    covered = len(block_table) * block_size
+    if pos < 0:  # Python's table[-1] would silently answer with the last page
+        raise IndexError(f"position {pos} is negative: a block table of {len(block_table)} "
+                         f"pages of {block_size} covers positions 0..{covered - 1}")
+    if pos >= covered:
         raise IndexError(f"position {pos} is outside a block table of {len(block_table)} pages "
-                         f"of {block_size}")
+                         f"of {block_size} (positions 0..{covered - 1})")
     return block_table[pos // block_size] * block_size + pos % block_size
 
 
@@ -52,11 +58,12 @@ class CowPages:
 
     @property
     def num_free(self) -> int:
-        """Pages with no reference."""
+        """Pages with no reference: a page shared by k holders is one page, not k."""
         return len(self._free)
 
     def refcount(self, page: int) -> int:
         """Holders of `page` (0: free)."""
+        self._in_pool(page)
         return self.refs[page]
 
     def alloc(self) -> int:
@@ -91,16 +98,27 @@ class CowPages:
         self.copies.append((page, new))
         return new
 
+    def _in_pool(self, page: int) -> None:
+        if not 0 <= page < len(self.refs):  # refs[-1] would silently answer for the last page
+            raise IndexError(f"page {page} is not in this pool of {len(self.refs)} pages "
+                             f"(0..{len(self.refs) - 1})")
+
     def _live(self, page: int, action: str) -> None:
-        if not 0 <= page < len(self.refs) or self.refs[page] == 0:
-            raise RuntimeError(f"page {page} {action} while free")
+        self._in_pool(page)
+        if self.refs[page] == 0:
+            why = {"shared": "only a page someone holds can be shared; it is still on the free "
+                             "list, so the next alloc would hand it to a second owner",
+                   "written": "a write after free corrupts whoever allocates the page next",
+                   "freed": "a double free puts the page on the free list twice"}[action]
+            raise RuntimeError(f"page {page} {action} while free: {why}")
 
 
 @dataclass(frozen=True)
 class PoolReport:
     """A simulated run of one policy: peak concurrency, steps, time-averaged shares of the
     memory held (used + reserved_unused + internal = 1) and external fragmentation of the
-    pool."""
+    pool. `running[t]` and `waiting[t]` count the sequences running and queued at step t: while
+    some wait, the pool is what limits concurrency; once none wait, the workload is draining."""
 
     policy: str
     pool_tokens: int
@@ -112,6 +130,8 @@ class PoolReport:
     internal: float
     external: float
     timeline: list[tuple[int, int, int, int]]  # per step: (used, reserved, internal, free)
+    running: list[int]  # per step: sequences running
+    waiting: list[int]  # per step: requests queued (not admitted, or preempted)
 
 
 def _held(policy: str, tokens: int, final: int, cap: int, block_size: int, max_len: int) -> int:
@@ -139,6 +159,7 @@ def simulate_pool(lengths: Sequence[tuple[int, int, int]], pool_tokens: int, pol
     running: list[int] = []
     done_tokens = [0] * len(lengths)  # output tokens so far
     steps, peak, conc_sum, timeline = 0, 0, 0, []
+    running_at, waiting_at = [], []
     sums = [0.0, 0.0, 0.0]
     rows = pool_tokens // max_len if policy == "contiguous" else None
     pages = pool_tokens // block_size
@@ -174,6 +195,8 @@ def simulate_pool(lengths: Sequence[tuple[int, int, int]], pool_tokens: int, pol
         steps += 1
         peak = max(peak, len(running))
         conc_sum += len(running)
+        running_at.append(len(running))
+        waiting_at.append(len(waiting))
         u = r = w = 0
         for i in running:
             p, f, _ = lengths[i]
@@ -188,4 +211,5 @@ def simulate_pool(lengths: Sequence[tuple[int, int, int]], pool_tokens: int, pol
         running = [i for i in running if done_tokens[i] < lengths[i][1]]
     external = (pool_tokens - rows * max_len) / pool_tokens if rows is not None else 0.0
     return PoolReport(policy, pool_tokens, peak, conc_sum / steps, steps, sums[0] / steps,
-                      sums[1] / steps, sums[2] / steps, external, timeline)
+                      sums[1] / steps, sums[2] / steps, external, timeline, running_at,
+                      waiting_at)
