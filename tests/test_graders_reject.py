@@ -301,3 +301,380 @@ def test_grade_line_is_one_line_per_outcome():
     assert check.grade_line("commit_row", todo).startswith("· commit_row: not attempted")
     line = check.grade_line("cost_model", lambda a, b, c: 1 / 0)
     assert line.startswith("✗ cost_model: raised ZeroDivisionError") and "\n" not in line
+
+
+# ---------------------------------------------------------------------------------------------
+# chapter 03: the all-zero row of int8, and the AWQ search's mistakes (the per-tensor scale,
+# -128, truncation and nibble-order mistakes are in tests/test_grader_ch03.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def int8_zero_scale(w):  # right everywhere but an all-zero row: scale 0, codes 0 / 0 = NaN
+    scale = w.abs().amax(dim=1) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def int8_zero_row_nonzero_codes(w):  # a positive scale for the zero row, but codes not 0
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+    q = torch.round(w / scale[:, None]).clamp(-127, 127)
+    q[scale < 1e-9] = 1
+    return q.to(torch.int8), scale
+
+
+def _awq_search(error, pick=min, signed=False, reciprocal=False):
+    """An AWQ search over alpha in 0, 0.05, ..., 1 with one mistake switched in."""
+    from labkit.graders.ch03_quantization import _fake_int4
+
+    def search(x, w, group):
+        act = x.mean(0) if signed else x.abs().mean(0)  # [K]
+        cands = []
+        for i in range(21):
+            s = act.pow(i / 20)
+            s = s / (s.max() * s.min()).sqrt()
+            cands.append((error(x, w, s, group, _fake_int4), i, s))
+        errs = torch.tensor([c[0] for c in cands])
+        j = int(errs.argmin()) if pick is min else int(errs.argmax())
+        s = cands[j][2]
+        return 1 / s if reciprocal else s
+    return search
+
+
+def _out_err(x, w, s, g, fq):
+    return float(((x @ (fq(w * s, g) / s).t() - x @ w.t()) ** 2).mean())
+
+
+def _weight_err(x, w, s, g, fq):  # the weights' error, not the outputs'
+    return float(((fq(w * s, g) / s - w) ** 2).mean())
+
+
+def _undivided_err(x, w, s, g, fq):  # forgot to divide the dequantized w * s by s
+    return float(((x @ fq(w * s, g).t() - x @ w.t()) ** 2).mean())
+
+
+CH03_WRONG = [
+    ("quantize_int8", int8_zero_scale, "all zeros and its scale is 0"),
+    ("quantize_int8", int8_zero_row_nonzero_codes, "every code of a zero row must be 0"),
+    ("awq_scale", _awq_search(_weight_err), "measures the weights' error"),
+    ("awq_scale", _awq_search(_undivided_err), "forgets to divide the dequantized w * s by s"),
+    ("awq_scale", _awq_search(_out_err, pick=max), "LARGEST error"),
+    ("awq_scale", _awq_search(_out_err, reciprocal=True), "returned 1 / s"),
+    ("awq_scale", lambda x, w, g: x.abs().mean(0), "a fixed alpha = 1 without a search"),
+    ("awq_scale", _awq_search(_out_err, signed=True), "mean of x rather than of |x|"),
+    ("awq_scale", lambda x, w, g: x.mean(0).pow(0.5), "channels whose mean of x is negative"),
+]
+
+
+@pytest.mark.parametrize(("name", "wrong", "phrase"), CH03_WRONG,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(CH03_WRONG)])
+def test_ch03_grader_rejects_and_names_the_mistake(name, wrong, phrase):
+    with pytest.raises(AssertionError) as info:
+        check.grade(name, wrong)
+    assert not isinstance(info.value, check.ExerciseNotDone)
+    assert phrase in str(info.value), f"{name}: the message does not name the mistake " \
+        f"({phrase!r}): {info.value}"
+
+
+def test_ch03_graders_pass_a_right_search_and_a_zero_safe_int8():
+    from labkit.quant import quantize_int8
+
+    assert check.grade("awq_scale", _awq_search(_out_err)).startswith("✓")
+    assert check.grade("quantize_int8", quantize_int8).startswith("✓")
+
+
+# ---------------------------------------------------------------------------------------------
+# chapters 00 and 01: mistakes that used to be named after another mistake they resembled
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "wrong", "phrase", "not_phrase"), [
+    # softmax without any filtering: every value changed, none is -inf; it is not the
+    # "dropped tokens must become -inf" mistake (the nucleus changed too)
+    ("top_p_filter", lambda lg, p: torch.softmax(lg, -1), "return the logits themselves",
+     "must become -inf"),
+    # the nucleus kept, the rest scaled down instead of dropped: values changed everywhere
+    ("top_p_filter", lambda lg, p: lg.masked_fill(~scatter(*nucleus_sorted(lg, p)), 0.0) * 0.5,
+     "return the logits themselves", "must become -inf"),
+    # dropped to a large negative number instead of -inf: the nucleus is intact
+    ("top_p_filter", lambda lg, p: lg.masked_fill(~scatter(*nucleus_sorted(lg, p)), -1e9),
+     "must become -inf", "return the logits themselves"),
+    # int() truncates like //: the message names both
+    ("matmul_intensity", lambda m, n, k, b: int(2 * m * n * k / ((m * k + k * n + m * n) * b)),
+     "int()", "Forgot"),
+])
+def test_ch00_ch01_grader_names_the_mistake_not_a_lookalike(name, wrong, phrase, not_phrase):
+    with pytest.raises(AssertionError) as info:
+        check.grade(name, wrong)
+    assert not isinstance(info.value, check.ExerciseNotDone)
+    message = str(info.value)
+    assert phrase in message and not_phrase not in message, f"{name}: {message}"
+
+
+# ---------------------------------------------------------------------------------------------
+# chapter 02: chunk_prefills and admit_fcfs name the mistake made, not a coincidence
+# ---------------------------------------------------------------------------------------------
+
+def ch02_chunks_decode_uncapped(num_decode, prefill_left, budget):
+    """Every running sequence decodes, whatever the budget (the rest clamped at 0)."""
+    left = float("inf") if budget is None else budget - num_decode
+    chunks = []
+    for remaining in prefill_left:
+        chunks.append(int(max(0, min(remaining, left))))
+        left -= chunks[-1]
+    return num_decode, chunks
+
+
+def ch02_chunks_decode_uncapped_negative(num_decode, prefill_left, budget):
+    """The same, without the clamp: a negative budget left gives negative chunks."""
+    left = float("inf") if budget is None else budget - num_decode
+    chunks = []
+    for remaining in prefill_left:
+        chunks.append(int(min(remaining, left)))
+        left -= chunks[-1]
+    return num_decode, chunks
+
+
+def ch02_chunks_whole_budget(num_decode, prefill_left, budget):
+    """Decode rows capped, but prefill still takes the whole budget."""
+    left = float("inf") if budget is None else budget
+    chunks = []
+    for remaining in prefill_left:
+        chunks.append(int(min(remaining, left)))
+        left -= chunks[-1]
+    return int(min(num_decode, left if budget is None else budget)), chunks
+
+
+def ch02_chunks_budget_not_spent(num_decode, prefill_left, budget):
+    """Every prefill gets what decode left, as if the earlier chunks took nothing."""
+    decode = int(min(num_decode, float("inf") if budget is None else budget))
+    left = float("inf") if budget is None else budget - decode
+    return decode, [int(min(r, left)) for r in prefill_left]
+
+
+def ch02_chunks_first_prefill_only(num_decode, prefill_left, budget):
+    """Only the oldest prefill gets a chunk each step."""
+    decode = int(min(num_decode, float("inf") if budget is None else budget))
+    left = float("inf") if budget is None else budget - decode
+    return decode, [int(min(r, left)) if i == 0 else 0 for i, r in enumerate(prefill_left)]
+
+
+def ch02_admit_ignores_slots(waiting, free_pages, block_size, free_slots):
+    """Pages checked, slots forgotten."""
+    n = 0
+    for prompt_len, max_new in waiting:
+        need = -(-(prompt_len + max_new) // block_size)
+        if need > free_pages:
+            break
+        free_pages -= need
+        n += 1
+    return n
+
+
+def ch02_admit_pages_not_taken(waiting, free_pages, block_size, free_slots):
+    """Each request checked against all the free pages, none taken by the earlier ones."""
+    n = 0
+    for prompt_len, max_new in waiting:
+        if n == free_slots or -(-(prompt_len + max_new) // block_size) > free_pages:
+            break
+        n += 1
+    return n
+
+
+CH02_WRONG = [
+    ("chunk_prefills", ch02_chunks_decode_uncapped, "decode rows are capped by the budget",
+     "off-by-one"),
+    ("chunk_prefills", ch02_chunks_decode_uncapped_negative,
+     "decode rows are capped by the budget", "between 0 and"),
+    ("chunk_prefills", ch02_chunks_whole_budget, "decode rows count against the budget",
+     "off-by-one"),
+    ("chunk_prefills", ch02_chunks_budget_not_spent, "each chunk spends the budget",
+     "off-by-one"),
+    ("chunk_prefills", ch02_chunks_first_prefill_only, "not only the first", "off-by-one"),
+    ("admit_fcfs", ch02_admit_ignores_slots, "takes a slot", "off-by-one"),
+    ("admit_fcfs", ch02_admit_pages_not_taken, "takes its pages", "off-by-one"),
+]
+
+
+@pytest.mark.parametrize(("name", "wrong", "phrase", "not_phrase"), CH02_WRONG,
+                         ids=[w[1].__name__ for w in CH02_WRONG])
+def test_ch02_grader_names_the_mistake_not_a_coincidence(name, wrong, phrase, not_phrase):
+    with pytest.raises(AssertionError) as info:
+        check.grade(name, wrong)
+    assert not isinstance(info.value, check.ExerciseNotDone)
+    message = str(info.value)
+    assert phrase in message and not_phrase not in message, f"{name}: {message}"
+
+
+# ---------------------------------------------------------------------------------------------
+# chapter 05: blocks_needed, translate, CowPages (the toy allocator's free-page and num_free
+# rules; a swapped translation must not be reported as an unscaled page id)
+# ---------------------------------------------------------------------------------------------
+
+
+def ch05_translate_swapped(table, pos, block_size):  # // and % exchanged
+    return table[pos % block_size] * block_size + pos // block_size
+
+
+def ch05_translate_no_negative_check(table, pos, block_size):  # table[-1] is the last page
+    if pos // block_size >= len(table):
+        raise IndexError(pos)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def ch05_translate_value_error(table, pos, block_size):
+    if not 0 <= pos < len(table) * block_size:
+        raise ValueError(pos)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def ch05_translate_page_times_pages(table, pos, block_size):
+    return table[pos // block_size] * len(table) + pos % block_size
+
+
+def ch05_translate_unknown(table, pos, block_size):  # matches no known mistake
+    return table[pos // block_size] * block_size + pos % block_size + (pos == 9)
+
+
+class Ch05CowPages:
+    """A correct allocator; each subclass below switches in one mistake."""
+
+    def __init__(self, num_pages):
+        self.refs = [0] * num_pages
+        self.free_list = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self):
+        return len(self.free_list)
+
+    def refcount(self, page):
+        return self.refs[page]
+
+    def alloc(self):
+        if not self.free_list:
+            raise MemoryError("no free page")
+        page = self.free_list.pop()
+        self.refs[page] = 1
+        return page
+
+    def check(self, page):
+        if self.refs[page] == 0:
+            raise RuntimeError(f"page {page} is free")
+
+    def share(self, page):
+        self.check(page)
+        self.refs[page] += 1
+        return page
+
+    def free(self, page):
+        self.check(page)
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free_list.append(page)
+
+    def write(self, page):
+        self.check(page)
+        if self.refs[page] == 1:
+            return page
+        new = self.alloc()
+        self.refs[page] -= 1
+        return new
+
+
+class Ch05ShareFreePage(Ch05CowPages):
+    def share(self, page):  # no check: a free page gets a holder but stays on the free list
+        self.refs[page] += 1
+        return page
+
+
+class Ch05WriteFreePage(Ch05CowPages):
+    def write(self, page):  # refcount 0 or 1 both look "private"
+        if self.refs[page] <= 1:
+            return page
+        return super().write(page)
+
+
+class Ch05NumFreeCountsRefs(Ch05CowPages):
+    @property
+    def num_free(self):
+        return len(self.refs) - sum(self.refs)
+
+
+class Ch05ShareReturnsNothing(Ch05CowPages):
+    def share(self, page):
+        super().share(page)
+
+
+class Ch05ShareChecksLate(Ch05CowPages):
+    def share(self, page):  # changes the count, then refuses
+        self.refs[page] += 1
+        if self.refs[page] == 1:
+            raise RuntimeError(f"page {page} is free")
+        return page
+
+
+class Ch05FullPoolIndexError(Ch05CowPages):
+    def alloc(self):  # list.pop on an empty free list
+        page = self.free_list.pop()
+        self.refs[page] = 1
+        return page
+
+
+CH05_WRONG = [
+    ("translate", ch05_translate_swapped, "// and % swapped", "multiply"),
+    ("translate", lambda t, pos, bs: t[pos // bs] + pos % bs, "counts pages, not slots",
+     "swapped"),
+    ("translate", lambda t, pos, bs: pos, "block table was ignored", "multiply"),
+    ("translate", lambda t, pos, bs: t[pos // bs + 1] * bs + pos % bs, "off by one page",
+     "multiply"),
+    ("translate", lambda t, pos, bs: t[pos // bs] * bs, "offset within the page was dropped",
+     "multiply"),
+    ("translate", lambda t, pos, bs: t[pos // bs] * bs + pos, "not pos: a page holds",
+     "multiply"),
+    ("translate", ch05_translate_page_times_pages, "number of pages", "swapped"),
+    ("translate", ch05_translate_no_negative_check, "negative position", "past"),
+    ("translate", ch05_translate_value_error, "raised ValueError, expected IndexError",
+     "multiply"),
+    ("translate", ch05_translate_unknown, "slot = block_table[pos // block_size]", "multiply"),
+    ("blocks_needed", lambda n, bs: n // bs + 1, "exact multiples", "round up, not down"),
+    ("blocks_needed", lambda n, bs: n // bs, "round up, not down", "exact multiples"),
+    ("blocks_needed", lambda n, bs: round(n / bs), "nearest", "exact multiples"),
+    ("blocks_needed", lambda n, bs: n / bs, "fraction of a page", "exact multiples"),
+    ("blocks_needed", lambda n, bs: max(1, -(-n // bs)), "0 tokens need 0 pages",
+     "exact multiples"),
+    ("CowPages", Ch05ShareFreePage, "only a page someone holds can be shared", "double free"),
+    ("CowPages", Ch05WriteFreePage, "write after free", "double free"),
+    ("CowPages", Ch05NumFreeCountsRefs, "num_free counts references, not pages", "freed a"),
+    ("CowPages", Ch05ShareReturnsNothing, "must return the page it shares", "num_free"),
+    ("CowPages", Ch05ShareChecksLate, "a refused share changed the pool", "did not"),
+    ("CowPages", Ch05FullPoolIndexError, "raised IndexError, expected MemoryError",
+     "double free"),
+]
+
+
+@pytest.mark.parametrize(("name", "wrong", "phrase", "not_phrase"), CH05_WRONG,
+                         ids=[f"{w[0]}-{i}" for i, w in enumerate(CH05_WRONG)])
+def test_ch05_grader_names_the_mistake_not_a_coincidence(name, wrong, phrase, not_phrase):
+    with pytest.raises(AssertionError) as info:
+        check.grade(name, wrong)
+    assert not isinstance(info.value, check.ExerciseNotDone)
+    message = str(info.value)
+    assert phrase in message and not_phrase not in message, f"{name}: {message}"
+
+
+def test_ch05_graders_pass_a_correct_allocator_written_differently():
+    assert check.grade("CowPages", Ch05CowPages).startswith("✓ CowPages")
+    assert check.grade("blocks_needed", lambda n, bs: (n + bs - 1) // bs).startswith("✓")
+
+
+class Ch05FreeKeepsCount(Ch05CowPages):
+    def free(self, page):  # never decrements: the page is not returned, but not freed early
+        self.check(page)
+        if self.refs[page] == 1:
+            self.refs[page] = 0
+            self.free_list.append(page)
+
+
+def test_ch05_free_that_forgets_to_decrement_is_not_called_an_early_free():
+    with pytest.raises(AssertionError) as info:
+        check.grade("CowPages", Ch05FreeKeepsCount)
+    message = str(info.value)
+    assert "free drops one reference" in message and "while refs > 0" not in message, message

@@ -9,14 +9,14 @@ import torch
 
 
 def _admit_variant(need: Callable[[int, int, int], int], fits: Callable[[int, int], bool],
-                   jump: bool = False) -> Callable:
+                   jump: bool = False, slots: bool = True, spend: bool = True) -> Callable:
     """An admission rule built from a page count and a fit test (the reference and its bugs)."""
     def admit(waiting, free_pages, block_size, free_slots):
         n = 0
         for prompt_len, max_new in waiting:
             pages = need(prompt_len, max_new, block_size)
-            if n < free_slots and fits(pages, free_pages):
-                free_pages -= pages
+            if (n < free_slots or not slots) and fits(pages, free_pages):
+                free_pages -= pages if spend else 0
                 n += 1
             elif not jump:
                 break
@@ -47,6 +47,10 @@ def grade_admit_fcfs(fn: Callable) -> str:
             _admit_variant(lambda p, m, bs: -(-p // bs), le),
         "a request that does not fit stops admission: later requests must not jump it "
         "(first come, first served)": _admit_variant(ceil, le, jump=True),
+        "each admitted request takes a slot: stop when the free slots are used up":
+            _admit_variant(ceil, le, slots=False),
+        "each admitted request takes its pages: subtract them from free_pages before the "
+        "next one": _admit_variant(ceil, le, spend=False),
     }
     got = [fn([tuple(w) for w in c[0]], *c[1:]) for c in cases]
     want = [ref(*c) for c in cases]
@@ -63,42 +67,85 @@ def grade_admit_fcfs(fn: Callable) -> str:
                          "max_new_tokens (rounded up) and a slot are free")
 
 
+def _chunk_variant(cap_decode: bool = True, clamp: bool = True, decode_first: bool = True,
+                   decode_counts: bool = True, spend: bool = True, all_prefills: bool = True,
+                   slack: int = 0, last_short: bool = False) -> Callable:
+    """A chunking rule with one switch turned (the reference and its bugs)."""
+    def chunk(num_decode, prefill_left, budget):
+        left = math.inf if budget is None else budget + slack
+        decode = min(num_decode, left) if cap_decode else num_decode
+        if not decode_first:  # prefill takes the budget first; decode rows get what is left
+            chunks = []
+            for remaining in prefill_left:
+                chunks.append(min(remaining, left))
+                left -= chunks[-1]
+            return int(min(num_decode, left)), [int(c) for c in chunks]
+        if decode_counts:
+            left -= decode
+        chunks = []
+        for i, remaining in enumerate(prefill_left):
+            take = min(remaining, max(left, 0) if clamp else left)
+            take = take if all_prefills or i == 0 else 0
+            chunks.append(int(take))
+            if spend:
+                left -= take
+        if last_short and budget is not None and any(chunks):  # the last chunk stops short
+            chunks[max(i for i, c in enumerate(chunks) if c)] -= 1
+        return int(decode), chunks
+    return chunk
+
+
 def grade_chunk_prefills(fn: Callable) -> str:
     """Grade an answer to exercise `chunk_prefills` (exercises/ch02_batching.py)."""
-    cases = [  # (num_decode, prefill_left, budget, expected)
-        (3, [10, 10], 8, (3, [5, 0])), (3, [2, 10], 8, (3, [2, 3])), (0, [2, 10], 8, (0, [2, 6])),
-        (9, [4], 8, (8, [0])), (2, [300, 7], None, (2, [300, 7])), (1, [3], 8, (1, [3])),
-        (4, [], 8, (4, [])), (0, [5], 5, (0, [5])),
+    cases = [  # (num_decode, prefill_left, budget)
+        (3, [10, 10], 8), (3, [2, 10], 8), (0, [2, 10], 8), (9, [4], 8), (2, [300, 7], None),
+        (1, [3], 8), (4, [], 8), (0, [5], 5), (20, [5, 5], 16), (2, [3, 3, 3], 8),
     ]
-    for dec, left, budget, want in cases:
-        got = fn(dec, list(left), budget)
-        got = (int(got[0]), [int(c) for c in got[1]])
+    ref = _chunk_variant()
+    wrong = {  # each names the rule it breaks; matched only if it explains every case
+        "decode rows are capped by the budget too: with more running sequences than the "
+        "budget, only `budget` of them decode this step (min(num_decode, budget))":
+            [_chunk_variant(cap_decode=False), _chunk_variant(cap_decode=False, clamp=False)],
+        "the chunks starve decode: running sequences get their decode rows first, and prefill "
+        "takes only what is left of the budget": [_chunk_variant(decode_first=False)],
+        "the decode rows count against the budget: prefill gets the budget minus the decode "
+        "rows, not the whole budget": [_chunk_variant(decode_counts=False)],
+        "each chunk spends the budget: the next prefill gets only what the earlier ones left":
+            [_chunk_variant(spend=False)],
+        "every waiting prefill in arrival order takes what is left, not only the first":
+            [_chunk_variant(all_prefills=False)],
+        "off-by-one budget: the step holds one token over the budget":
+            [_chunk_variant(slack=1)],
+        "off-by-one budget: one token of the budget is left unused while a prompt waits":
+            [_chunk_variant(slack=-1)],
+        "off-by-one budget: the last chunk stops one token short, so a token of the budget "
+        "goes unused and the prompt needs one more step": [_chunk_variant(last_short=True)],
+    }
+    got = []
+    for dec, left, budget in cases:
+        out = fn(dec, list(left), budget)
         call = f"chunk_prefills({dec}, {left}, budget={budget})"
-        if len(got[1]) != len(left):
-            raise AssertionError(f"{call} returned {len(got[1])} chunks for {len(left)} "
+        if len(out[1]) != len(left):
+            raise AssertionError(f"{call} returned {len(out[1])} chunks for {len(left)} "
                                  "prefills: give one chunk size (maybe 0) per prefill, in order")
-        if any(c > r for c, r in zip(got[1], left)) or any(c < 0 for c in got[1]):
-            raise AssertionError(f"{call} returned chunks {got[1]}: a chunk is between 0 and "
-                                 "what its prefill still needs")
-        total = got[0] + sum(got[1])
-        if budget is not None and got[0] < min(dec, budget):
-            raise AssertionError(f"{call} returned {got}: the chunks starve decode. Running "
-                                 f"sequences get their {min(dec, budget)} decode rows first; "
-                                 "prefill takes only what is left of the budget")
-        if budget is not None and total == budget + 1:
-            raise AssertionError(f"{call} returned {got}, {total} tokens: off-by-one budget, "
-                                 f"one token over the budget of {budget}")
-        if budget is not None and total > budget:
-            raise AssertionError(f"{call} returned {got}, {total} tokens: over the budget "
-                                 f"of {budget}")
-        if budget is not None and total == min(budget, dec + sum(left)) - 1:
-            raise AssertionError(f"{call} returned {got}, {total} tokens: off-by-one budget, "
-                                 "one token of the budget left unused while a prompt waits")
-        if got != want:
-            raise AssertionError(f"{call} returned {got}, expected {want}: decode rows first, "
-                                 "then each prefill in arrival order takes what it still needs "
-                                 "of what is left")
-    return f"decode first, then prefill chunks in order, budgets exact ({len(cases)} cases)"
+        got.append((int(out[0]), [int(c) for c in out[1]]))
+    want = [ref(*c) for c in cases]
+    if got == want:
+        return f"decode first, then prefill chunks in order, budgets exact ({len(cases)} cases)"
+    first = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
+    dec, left, budget = cases[first]
+    call = f"chunk_prefills({dec}, {left}, budget={budget}) returned {got[first]}"
+    for hint, variants in wrong.items():
+        if any([v(*c) for c in cases] == got for v in variants):
+            raise AssertionError(f"{call}, expected {want[first]}: {hint}")
+    total = got[first][0] + sum(got[first][1])
+    if any(c > r for c, r in zip(got[first][1], left)) or any(c < 0 for c in got[first][1]):
+        raise AssertionError(f"{call}: a chunk is between 0 and what its prefill still needs")
+    if budget is not None and total > budget:
+        raise AssertionError(f"{call}, {total} tokens: over the budget of {budget}")
+    raise AssertionError(f"{call}, expected {want[first]}: decode rows first (at most the "
+                         "budget), then each prefill in arrival order takes what it still needs "
+                         "of what is left")
 
 
 def grade_latency_percentiles(fn: Callable) -> str:
