@@ -188,7 +188,8 @@ def _generate(args) -> int:
     ttft = sorted(o.ttft_s for o in outs)[len(outs) // 2]
     shared = (f", {engine.stats.prefill_tokens_saved} prompt tokens and "
               f"{engine.stats.pages_saved} KV pages shared" if engine.stats.pages_saved else "")
-    print(f"[labkit] {len(outs)} answers, {n_tok} tokens in {gen_s:.2f} s "
+    answers = f" ({len(outs)} answers)" if len(outs) != len(requests) else ""
+    print(f"[labkit] {len(requests)} requests{answers}, {n_tok} tokens in {gen_s:.2f} s "
           f"({n_tok / gen_s:.1f} tok/s), median time to first token {ttft * 1e3:.0f} ms, "
           f"model load {load_s:.1f} s, decoder {args.decoder}, "
           f"attention {args.attention}, quant {args.quant}{shared}", file=sys.stderr)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-KEYS = {"index", "prompt_ids", "output_ids", "text", "finish_reason"}
+KEYS = {"index", "sample", "prompt_ids", "output_ids", "text", "finish_reason"}
 
 
 def labkit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
