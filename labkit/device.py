@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import pickle
 import queue
 import time
 from collections import OrderedDict
@@ -174,6 +175,12 @@ _STATUS_OPS = (*_OPS, "fault", "stall")  # what the device says it is doing (the
 _TRACE_CAP = 1 << 16  # spans kept per lane (a ring)
 _ERROR_CAP = 1 << 16  # bytes of the device's traceback kept in shared memory
 MASK_CACHE_CAP = 256  # constraint masks the device keeps (least recently used goes first)
+# A GPU never sleeps between kernels, and a CUDA event wait spins before it yields: neither
+# side pays an OS wake-up per step. With a core of its own, the simulated device does the same:
+# it polls for the next command this long before it blocks on the pipe, and the host sleeps
+# through most of a step it waits for, then spins on the copy's stamp (`wait_tokens`).
+DEVICE_SPIN_S = 0.005
+HOST_SPIN_S = 0.002  # the host's spin around the moment the tokens are expected
 _HEAD = 2  # a host buffer row: [n, step, token_0 .. token_{n-1}]
 _LP_WIDTH = 1 + 2 * MAX_LOGPROBS  # a row of `token_logprobs` at most; one more column holds
 # the width used (in row 0), -1 when the step had no log-probabilities
@@ -188,7 +195,7 @@ def _mask_cache_put(cache: OrderedDict, key, value, cap: int) -> None:
 
 
 def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_tokens,
-                 host_logprobs, trace, trace_n, status, error_flag, error_text, ready,
+                 host_logprobs, done_at, trace, trace_n, status, error_flag, error_text, ready,
                  mask_cap) -> None:
     """The device process: runs the compute stream's commands in order, in its main thread.
 
@@ -198,7 +205,6 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     thread waiting for its turn on the device's one core delayed the event by a whole forward.)
     """
     import traceback
-    from multiprocessing.reduction import ForkingPickler
 
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -214,7 +220,8 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     vocab = model.cfg.vocab_size
     # numpy views of the shared memory: a numpy store costs a fraction of a torch one
     trace_np, trace_n_np, host_np = trace.numpy(), trace_n.numpy(), host_tokens.numpy()
-    host_lp_np = host_logprobs.numpy()
+    host_lp_np, done_at_np = host_logprobs.numpy(), done_at.numpy()
+    spin_s = DEVICE_SPIN_S if cpus else 0.0  # spin only on a core of its own
     # [op, step, since, masks held]: what the device is doing (op -1: idle)
     status_np = status.numpy()
 
@@ -227,9 +234,12 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     try:
         while True:
             status_np[:3] = (-1, -1, free_since)
+            spin_until = free_since + spin_s
+            while not compute_rx.poll(0) and time.perf_counter() < spin_until:
+                pass  # a GPU polls its queue: no wake-up between back-to-back commands
             raw = compute_rx.recv_bytes()  # idle until a command has arrived
             arrived = time.perf_counter()
-            cmd = ForkingPickler.loads(raw)  # what Connection.recv does, timed apart
+            cmd = pickle.loads(raw)  # plain data: no tensors travel down the pipe
             got = time.perf_counter()
             if cmd is None:
                 return
@@ -266,6 +276,7 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
                 if lp is not None:  # [n, 1 + 2k], k of the row that asked the most
                     host_lp_np[slot, :n, :lp.shape[1]] = lp.numpy()
                 host_lp_np[slot, 0, -1] = -1 if lp is None else lp.shape[1]
+                done_at_np[slot] = time.perf_counter()  # for the host's wait: when it was ready
                 host_np[slot, 1] = step  # the stamp last: a buffer with it is complete
                 t3 = time.perf_counter()
                 record(0, 1, step, t1, t2)
@@ -331,6 +342,9 @@ class ProcessDevice(Device):
         self.host_logprobs = torch.zeros(NUM_SLOTS, max_seqs, _LP_WIDTH + 1,
                                          dtype=torch.float32).share_memory_()
         self._host_lp_np = self.host_logprobs.numpy()
+        self.done_at = torch.zeros(NUM_SLOTS, dtype=torch.float64).share_memory_()
+        self._done_at_np = self.done_at.numpy()
+        self._expect_s = 0.0  # how long a wait for tokens lasts, from the device's clock (EMA)
         self.trace = torch.zeros(2, _TRACE_CAP, 4, dtype=torch.float64).share_memory_()
         self.trace_n = torch.zeros(2, dtype=torch.long).share_memory_()
         self.status = torch.zeros(4, dtype=torch.float64).share_memory_()
@@ -347,7 +361,7 @@ class ProcessDevice(Device):
             target=_device_main, daemon=True, name="labkit-device",
             args=(model, (num_blocks, block_size, max_seqs, cache, "cpu", attention), threads,
                   self.device_cpus, compute_rx, self.copy_done, self.host_tokens,
-                  self.host_logprobs, self.trace,
+                  self.host_logprobs, self.done_at, self.trace,
                   self.trace_n, self.status, self.error_flag, self.error_text, ready,
                   mask_cache_cap))
         self.proc.start()
@@ -409,7 +423,9 @@ class ProcessDevice(Device):
     def _send(self, cmd) -> None:
         self._check()
         try:
-            self._compute.send(cmd)
+            # plain pickle: a plan is lists and numbers (Connection.send's reducer, which can
+            # pass tensors, cost ~20 us a command)
+            self._compute.send_bytes(pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL))
         except (BrokenPipeError, OSError):
             self._check(alive=True)
             self._fail("the simulated device stopped taking commands (its pipe is closed)")
@@ -454,10 +470,27 @@ class ProcessDevice(Device):
         """Nothing to send: the sample writes the slot's host buffer itself (see the module)."""
         self._check()
 
+    def _spin_for(self, slot: int, step: int) -> None:
+        """Sleep through most of the expected wait, then spin on the stamp (a CUDA event wait
+        spins too): the host sees the tokens microseconds after they land, not an OS wake-up
+        later. Only with the device on a core of its own, else spinning would starve it."""
+        if self.device_cpus is None:
+            return
+        host, t0 = self._host_np, time.perf_counter()
+        wake = t0 + self._expect_s - HOST_SPIN_S
+        if wake - t0 > 0.001 and int(host[slot, 1]) != step:
+            if self.copy_done[slot].acquire(timeout=wake - t0):
+                self.copy_done[slot].release()  # not ours to take here: the wait loop counts
+        until = max(wake, t0) + 2 * HOST_SPIN_S
+        while int(host[slot, 1]) != step and time.perf_counter() < until:
+            pass
+
     def wait_tokens(self, slot: int) -> list[int]:
         """Wait for the slot's stamped tokens; a failed or stalled device raises DeviceError."""
         step = self._slot_step[slot]
         host = self._host_np
+        entered = time.perf_counter()
+        self._spin_for(slot, step)
         acquired = False
         progress, since = int(self.trace_n[0]), time.monotonic()
         while True:
@@ -480,6 +513,9 @@ class ProcessDevice(Device):
                            f"{step}'s tokens (slot {slot}); the device was {self._doing()}")
         if not acquired:  # the copy's event fired before we waited: take it, keep the count
             self.copy_done[slot].acquire(block=False)
+        # the device's own clock says how long this wait had to be: the next one sleeps that
+        waited = max(0.0, float(self._done_at_np[slot]) - entered)
+        self._expect_s += 0.25 * (waited - self._expect_s)
         n = int(host[slot, 0])
         return host[slot, _HEAD:n + _HEAD].tolist()
 
