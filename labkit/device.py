@@ -221,7 +221,7 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     # numpy views of the shared memory: a numpy store costs a fraction of a torch one
     trace_np, trace_n_np, host_np = trace.numpy(), trace_n.numpy(), host_tokens.numpy()
     host_lp_np, done_at_np = host_logprobs.numpy(), done_at.numpy()
-    spin_s = DEVICE_SPIN_S if cpus else 0.0  # spin only on a core of its own
+    spin_s = DEVICE_SPIN_S if cpus and hasattr(os, 'sched_yield') else 0.0  # own core only
     # [op, step, since, masks held]: what the device is doing (op -1: idle)
     status_np = status.numpy()
 
@@ -236,7 +236,7 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
             status_np[:3] = (-1, -1, free_since)
             spin_until = free_since + spin_s
             while not compute_rx.poll(0) and time.perf_counter() < spin_until:
-                pass  # a GPU polls its queue: no wake-up between back-to-back commands
+                os.sched_yield()  # a GPU polls its queue; yielding lets another program in
             raw = compute_rx.recv_bytes()  # idle until a command has arrived
             arrived = time.perf_counter()
             cmd = pickle.loads(raw)  # plain data: no tensors travel down the pipe
@@ -483,7 +483,7 @@ class ProcessDevice(Device):
                 self.copy_done[slot].release()  # not ours to take here: the wait loop counts
         until = max(wake, t0) + 2 * HOST_SPIN_S
         while int(host[slot, 1]) != step and time.perf_counter() < until:
-            pass
+            os.sched_yield()  # spin-yield, as CUDA's cudaDeviceScheduleYield
 
     def wait_tokens(self, slot: int) -> list[int]:
         """Wait for the slot's stamped tokens; a failed or stalled device raises DeviceError."""
