@@ -75,6 +75,11 @@ def test_bench_decode_json_rows_are_self_consistent():
                 (r["speedup"] - 1) / (r["predicted_speedup"] - 1))
         else:  # on a busy machine the spans can predict no gain (even < 1): no share of it
             assert math.isnan(r["gain_share"])
+        # the saving splits into host bookkeeping and round trips, as booked
+        h, t = r["hidden_host_share"], r["hidden_trip_share"]
+        saved = min(r["t_host_ms"], r["t_device_ms"]) + max(r["t_other_ms"], 0)
+        assert h + t == pytest.approx(1) and h == pytest.approx(
+            min(r["t_host_ms"], r["t_device_ms"]) / saved)
         # a whole pipelined run: one zombie row per sequence, 20 tokens each
         assert r["zombie_rows"] == r["streams"]
         assert r["zombie_tax"] == pytest.approx(1 / 20)

@@ -17,6 +17,12 @@ turn the whole blocking step into `max(T_host, T_device)`:
     predicted speedup = (T_host + T_device + T_other) / max(T_host, T_device)
     gain share        = (speedup - 1) / (predicted - 1)
 
+The time the pipeline can save per step is `min(T_host, T_device) + T_other`: the shorter of
+the two kinds of work, now overlapped with the longer, and the round trips, now hidden behind
+the device's next step. `hidden: host | trips` splits that saving between the two: on a GPU
+(and on the simulated device, whose round trip is GPU-like) the saving is mostly the host's
+bookkeeping, as in Photon; a device with slow round trips would show them instead.
+
 The gain share is how much of the predicted gain the pipeline delivered. The zombie tax
 is the share of decode rows a whole pipelined run spent on sequences that had already finished
 (one per sequence: 1/110 at one stream for 110-token sequences).
@@ -51,6 +57,15 @@ def predicted_speedup(t_host: float, t_device: float, t_other: float = 0.0) -> f
     """The cost model: a blocking step costs T_host + T_device (+ the round trips between
     them, T_other), a pipelined one at best the larger of T_host and T_device."""
     return (t_host + t_device + t_other) / max(t_host, t_device)
+
+
+def hidden_shares(t_host: float, t_device: float, t_other: float) -> tuple[float, float]:
+    """(host bookkeeping, round trips): the shares of the time a pipeline can save per step,
+    `min(T_host, T_device) + T_other`, that each of them is."""
+    saved = min(t_host, t_device) + max(t_other, 0.0)
+    if saved <= 0:
+        return float("nan"), float("nan")
+    return min(t_host, t_device) / saved, max(t_other, 0.0) / saved
 
 
 def pair_bound(pair: dict) -> float:
@@ -248,6 +263,8 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
         "streams": streams, "blocking_ms": blocking, "pipelined_ms": pipelined,
         "speedup": blocking / pipelined, "t_host_ms": t_host, "t_device_ms": t_device,
         "t_other_ms": t_other, "predicted_speedup": predicted,
+        "hidden_host_share": hidden_shares(t_host, t_device, t_other)[0],
+        "hidden_trip_share": hidden_shares(t_host, t_device, t_other)[1],
         "pair_speedups": [p["blocking_ms"] / p["pipelined_ms"] for p in pairs],
         "pair_bounds": [pair_bound(p) for p in pairs],
         "gain_share": gain_share(blocking / pipelined, predicted),
@@ -348,13 +365,14 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"{'hardware':<34} {'streams':>7} {'blocking ms':>11} {'pipelined ms':>12} "
           f"{'speedup':>8} {'T_host':>7} {'T_dev':>7} {'T_other':>7} {'predicted':>9} "
-          f"{'gain share':>10} "
+          f"{'gain share':>10} {'hidden: host | trips':>20} "
           f"{'zombie tax':>10}")
     for r in rows:
         print(f"{r['device'][:34]:<34} {r['streams']:>7} {r['blocking_ms']:>11.2f} "
               f"{r['pipelined_ms']:>12.2f} {100 * (r['speedup'] - 1):>+7.1f}% "
               f"{r['t_host_ms']:>7.2f} {r['t_device_ms']:>7.2f} {r['t_other_ms']:>7.2f} "
               f"{100 * (r['predicted_speedup'] - 1):>+8.1f}% {100 * r['gain_share']:>9.0f}% "
+              f"{100 * r['hidden_host_share']:>12.0f}% | {100 * r['hidden_trip_share']:>3.0f}% "
               f"{100 * r['zombie_tax']:>9.2f}%")
     for hw, s, b, pl, gain in PHOTON:
         print(f"{'Photon ' + hw + ' (published)':<34} {s:>7} {b:>11.2f} {pl:>12.2f} "
