@@ -284,6 +284,11 @@ class Engine:
                                       constraint=constraint, fork_of=first)
                           for j in range(1, params.n)]
 
+    def clear_prefix_cache(self) -> int:
+        """Forget the KV of every cached prompt page (pages no request holds); returns how
+        many. Pages that running requests share are left alone."""
+        return self.scheduler.allocator.drop_cached()
+
     def cancel(self, request_id: int) -> bool:
         """Cancel a request at any moment; False if it had already finished."""
         if request_id not in self.seqs:

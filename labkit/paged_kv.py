@@ -96,6 +96,18 @@ class BlockAllocator:
         self._check_live(page, "unkept")
         self._keep.discard(page)
 
+    def drop_cached(self) -> int:
+        """Forget every cached page's KV (they become plain free pages); returns how many.
+        A benchmark's round starts cold this way, as a fresh engine would."""
+        dropped = list(self._cached)
+        self._cached.clear()
+        for p in dropped:
+            self._keep.discard(p)
+            if self.on_evict is not None:
+                self.on_evict(p)
+            self._free.append(p)
+        return len(dropped)
+
     def share(self, pages: Sequence[int]) -> None:
         """Add a reference to pages already owned or cached (prefix sharing, forks)."""
         for p in pages:

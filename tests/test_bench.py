@@ -15,17 +15,22 @@ from labkit.bench import generate as bench
 @pytest.mark.slow
 def test_bench_generate_quick_json_reports_the_documented_fields():
     proc = subprocess.run([sys.executable, "-m", "labkit", "bench", "generate", "--quick",
-                           "--json", "--threads", "1"], capture_output=True, text=True,
-                          timeout=600)
+                           "--json", "--threads", "1", "--rounds", "2"], capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)  # exactly one JSON object on stdout; progress on stderr
     for run in ("labkit", "transformers (grouped)", "transformers (padded)"):
-        assert f"round 1/1: {run}" in proc.stderr, run  # a bar for each run, on stderr
+        assert f"round 1/2: {run}" in proc.stderr, run  # a bar for each run, on stderr
     for key in ("labkit_tok_s", "hf_tok_s", "ratio", "hf_grouped_tok_s", "hf_padded_tok_s"):
         assert isinstance(res[key], float) and res[key] > 0, (key, res[key])
     assert res["ratio"] == pytest.approx(res["labkit_tok_s"] / res["hf_tok_s"])
     assert res["hf_tok_s"] == max(res["hf_grouped_tok_s"], res["hf_padded_tok_s"])
     assert res["streams"] == 8 and res["threads"] == 1
+    # every round starts cold: round 2 computes the prompts round 1 did, no reuse between
+    # rounds; within a round the requests share the chat template's pages
+    first, second = res["labkit_prompt_tokens_computed"]
+    assert first == second < res["prompt_tokens"]
+    assert res["round1_ratio"] > 0
     # 8 requests with max_new_tokens cycling through QUICK_LENGTHS, each run to its length
     assert res["tokens"] == sum(bench.QUICK_LENGTHS[i % len(bench.QUICK_LENGTHS)]
                                 for i in range(8))

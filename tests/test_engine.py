@@ -180,3 +180,22 @@ def test_forget_refuses_a_request_that_is_still_running():
     with pytest.raises(KeyError, match="forget: no request"):
         e.forget(rid)
     e.check_all_released()
+
+
+def test_clear_prefix_cache_makes_the_next_run_cold():
+    SP = SamplingParams
+    engine = Engine(MODEL, None, kv_tokens=512, block_size=8, max_seqs=4)
+    prompt = list(range(3, 40))  # 37 tokens: 4 full pages to share
+    for expect_saved in (0, 32):
+        before = engine.stats.prefill_tokens_saved
+        rid = engine.submit(prompt, SP(max_new_tokens=2))
+        decoders.run(engine, "blocking")
+        engine.forget(rid)
+        assert engine.stats.prefill_tokens_saved - before == expect_saved
+    assert engine.clear_prefix_cache() == 4
+    before = engine.stats.prefill_tokens_saved
+    engine.submit(prompt, SP(max_new_tokens=2))
+    decoders.run(engine, "blocking")
+    assert engine.stats.prefill_tokens_saved == before, "a cleared cache shares nothing"
+    engine.check_all_released()
+    engine.close()
