@@ -678,3 +678,32 @@ def test_ch05_free_that_forgets_to_decrement_is_not_called_an_early_free():
         check.grade("CowPages", Ch05FreeKeepsCount)
     message = str(info.value)
     assert "free drops one reference" in message and "while refs > 0" not in message, message
+
+
+# ---------------------------------------------------------------------------------------------
+# chapter 08: predict_wall names a mistake only when it alone gives the answer in every case
+# (a value one case shares with a mistake is a coincidence: the grader used to call the answer
+# below that scales h "ignores fixed_scale", from the one case where the two agree)
+# ---------------------------------------------------------------------------------------------
+
+
+def ch08_wall(steps, tokens, a, b, h, pipelined, fixed_scale=1.0, *, swap=False, h_scaled=False,
+              only_pipelined=False):
+    host = steps * h * (fixed_scale if h_scaled and (pipelined or not only_pipelined) else 1)
+    dev = steps * a * (1 if h_scaled and (pipelined or not only_pipelined) else fixed_scale)
+    dev += tokens * b
+    return max(host, dev) if pipelined != swap else host + dev
+
+
+@pytest.mark.parametrize(("wrong", "phrase", "not_phrase"), [
+    (lambda *c: ch08_wall(*c, swap=True), "swapped", "overlaps them, max"),
+    (lambda *c: ch08_wall(*c, h_scaled=True), "scales the host's work h", "ignores fixed_scale"),
+    # h scaled in the pipelined branch only: one wrong case, where it equals ignoring the
+    # scale; the blocking cases say it does not ignore it, so no mistake is named
+    (lambda *c: ch08_wall(*c, h_scaled=True, only_pipelined=True), "want", "ignores fixed_scale"),
+])
+def test_ch08_predict_wall_names_the_mistake_not_a_coincidence(wrong, phrase, not_phrase):
+    with pytest.raises(AssertionError) as info:
+        check.grade("predict_wall", wrong)
+    assert phrase in str(info.value), info.value
+    assert not_phrase not in str(info.value), info.value

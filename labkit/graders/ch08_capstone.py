@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from labkit.graders.common import only_hint
+
 
 def _ref_predict_wall(steps, tokens, a, b, h, pipelined, fixed_scale=1.0) -> float:
     device = steps * a * fixed_scale + tokens * b
@@ -12,37 +14,52 @@ def _ref_predict_wall(steps, tokens, a, b, h, pipelined, fixed_scale=1.0) -> flo
 
 
 def grade_predict_wall(fn: Callable) -> str:
-    """Grade an answer to exercise `predict_wall` (exercises/ch08_capstone.py)."""
+    """Grade an answer to exercise `predict_wall` (exercises/ch08_capstone.py).
+
+    A mistake is named only when it, and no other, gives the answer's result in every case: a
+    value that one case happens to share with a mistake is a coincidence, not a diagnosis.
+    """
     cases = [  # (steps, tokens, a, b, h, pipelined, fixed_scale): device-bound, host-bound
         (50, 400, 8e-3, 2e-4, 1e-3, False, 1.0), (50, 400, 8e-3, 2e-4, 1e-3, True, 1.0),
         (40, 40, 1e-3, 1e-5, 5e-3, True, 1.0), (40, 40, 1e-3, 1e-5, 5e-3, False, 1.0),
         (30, 900, 6e-3, 1e-4, 2e-3, True, 4.0), (30, 900, 6e-3, 1e-4, 2e-3, False, 3.5),
     ]
+
+    def same(x: float, y: float) -> bool:
+        return math.isclose(x, y, rel_tol=1e-9)
+
+    results = []  # every case, right or wrong: a mistake must reproduce all of them
     for c in cases:
         steps, tokens, a, b, h, pipelined, scale = c
         got, want = float(fn(*c)), _ref_predict_wall(*c)
-        if math.isclose(got, want, rel_tol=1e-9):
-            continue
-        loop = "pipelined" if pipelined else "blocking"
         host, dev = steps * h, steps * a * scale + tokens * b
-        if pipelined and math.isclose(got, host + dev, rel_tol=1e-9):
-            raise AssertionError(f"predict_wall{c}: {got:.4g} s is host + device: the "
-                                 "pipelined loop overlaps them, max(host, device)")
-        if not pipelined and math.isclose(got, max(host, dev), rel_tol=1e-9):
-            raise AssertionError(f"predict_wall{c}: {got:.4g} s is max(host, device): the "
-                                 "blocking loop waits for each, host + device")
-        if math.isclose(got, _ref_predict_wall(steps, tokens, a * scale, b * scale, h,
-                                               pipelined), rel_tol=1e-9):
-            raise AssertionError(f"predict_wall{c}: {got:.4g} s scales the per-token cost by "
-                                 "fixed_scale too: the weight bytes are read once per launch, "
-                                 "so only a is scaled")
-        if math.isclose(got, _ref_predict_wall(steps, tokens, a, b, h, pipelined),
-                        rel_tol=1e-9):
-            raise AssertionError(f"predict_wall{c}: {got:.4g} s ignores fixed_scale ({scale}): "
-                                 "fp32 weights take that many times the bytes of quantized ones")
-        raise AssertionError(f"predict_wall{c} ({loop}): got {got:.6g} s, want {want:.6g} s "
-                             f"(host {host:.4g} s, device {dev:.4g} s)")
-    return "blocking adds host and device, pipelined overlaps them; weight bytes scale a only"
+        added, overlapped = host + dev, max(host, dev)
+        mistakes = {  # what each known mistake gives in this case
+            "host + device for the pipelined loop: the pipelined loop overlaps them, "
+            "max(host, device)": added,
+            "max(host, device) for the blocking loop: the blocking loop waits for each, "
+            "host + device": overlapped,
+            "the two loops are swapped: blocking adds host and device (it waits for each), "
+            "pipelined overlaps them (max)": overlapped if not pipelined else added,
+            "fixed_scale scales the per-token cost too: the weight bytes are read once per "
+            "launch, so only a is scaled": _ref_predict_wall(steps, tokens, a * scale,
+                                                             b * scale, h, pipelined),
+            "it ignores fixed_scale: fp32 weights take that many times the bytes of quantized "
+            "ones, so a launch reads a * fixed_scale": _ref_predict_wall(steps, tokens, a, b, h,
+                                                                          pipelined),
+            "fixed_scale scales the host's work h: it scales the weight bytes, a":
+                _ref_predict_wall(steps, tokens, a, b, h * scale, pipelined),
+        }
+        results.append((c, got, want, host, dev, {m: same(got, v) for m, v in mistakes.items()}))
+    failing = [r for r in results if not same(r[1], r[2])]
+    if not failing:
+        return "blocking adds host and device, pipelined overlaps them; weight bytes scale a only"
+    c, got, want, host, dev, _ = failing[0]
+    hint = only_hint([named for *_, named in results])
+    loop = "pipelined" if c[5] else "blocking"
+    more = f" ({len(failing)} of {len(cases)} cases wrong)"
+    raise AssertionError(f"predict_wall{c} ({loop}): got {got:.6g} s, want {want:.6g} s (host "
+                         f"{host:.4g} s, device {dev:.4g} s){more}" + (f": {hint}" if hint else ""))
 
 
 def _relay_trial(fn: Callable, script: list, leave_after: int | None) -> tuple:
