@@ -175,12 +175,17 @@ _STATUS_OPS = (*_OPS, "fault", "stall")  # what the device says it is doing (the
 _TRACE_CAP = 1 << 16  # spans kept per lane (a ring)
 _ERROR_CAP = 1 << 16  # bytes of the device's traceback kept in shared memory
 MASK_CACHE_CAP = 256  # constraint masks the device keeps (least recently used goes first)
-# A GPU never sleeps between kernels, and a CUDA event wait spins before it yields: neither
+# A GPU never sleeps between kernels, and a CUDA event wait spins before it blocks: neither
 # side pays an OS wake-up per step. With a core of its own, the simulated device does the same:
 # it polls for the next command this long before it blocks on the pipe, and the host sleeps
-# through most of a step it waits for, then spins on the copy's stamp (`wait_tokens`).
+# through most of a step it waits for, then spins on the copy's stamp (`wait_tokens`). A
+# spinner that another program shares a core with loses to it (the OS favours a task that
+# slept), so a side that sees an event more than SPIN_LATE_S after it happened stops spinning
+# for SPIN_PAUSE_S: it blocks, and the OS wakes it ahead of the other program.
 DEVICE_SPIN_S = 0.005
 HOST_SPIN_S = 0.002  # the host's spin around the moment the tokens are expected
+SPIN_LATE_S = 0.0002
+SPIN_PAUSE_S = 1.0
 _HEAD = 2  # a host buffer row: [n, step, token_0 .. token_{n-1}]
 _LP_WIDTH = 1 + 2 * MAX_LOGPROBS  # a row of `token_logprobs` at most; one more column holds
 # the width used (in row 0), -1 when the step had no log-probabilities
@@ -221,7 +226,8 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     # numpy views of the shared memory: a numpy store costs a fraction of a torch one
     trace_np, trace_n_np, host_np = trace.numpy(), trace_n.numpy(), host_tokens.numpy()
     host_lp_np, done_at_np = host_logprobs.numpy(), done_at.numpy()
-    spin_s = DEVICE_SPIN_S if cpus and hasattr(os, 'sched_yield') else 0.0  # own core only
+    spin_ok = bool(cpus)  # spin only on a core of its own
+    paused_until = 0.0  # a late command: blocking waits until then
     # [op, step, since, masks held]: what the device is doing (op -1: idle)
     status_np = status.numpy()
 
@@ -234,16 +240,20 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     try:
         while True:
             status_np[:3] = (-1, -1, free_since)
-            spin_until = free_since + spin_s
-            while not compute_rx.poll(0) and time.perf_counter() < spin_until:
-                os.sched_yield()  # a GPU polls its queue; yielding lets another program in
+            spinning = spin_ok and free_since >= paused_until
+            if spinning:
+                spin_until = free_since + DEVICE_SPIN_S
+                while not compute_rx.poll(0) and time.perf_counter() < spin_until:
+                    pass  # a GPU polls its queue: no wake-up between back-to-back commands
             raw = compute_rx.recv_bytes()  # idle until a command has arrived
             arrived = time.perf_counter()
-            cmd = pickle.loads(raw)  # plain data: no tensors travel down the pipe
+            msg = pickle.loads(raw)  # plain data: no tensors travel down the pipe
             got = time.perf_counter()
-            if cmd is None:
+            if msg is None:
                 return
-            op, slot, step, payload = cmd
+            (op, slot, step, payload), sent = msg
+            if spinning and arrived - max(sent, free_since) > SPIN_LATE_S:
+                paused_until = arrived + SPIN_PAUSE_S  # another program holds this core
             status_np[:3] = (_STATUS_OPS.index(op), step, got)
             record(0, 3, step, arrived, got)  # "recv": read and unpickle the command
             if op == "forward":
@@ -345,6 +355,7 @@ class ProcessDevice(Device):
         self.done_at = torch.zeros(NUM_SLOTS, dtype=torch.float64).share_memory_()
         self._done_at_np = self.done_at.numpy()
         self._expect_s = 0.0  # how long a wait for tokens lasts, from the device's clock (EMA)
+        self._spin_paused_until = 0.0  # a late wake-up: blocking waits until then
         self.trace = torch.zeros(2, _TRACE_CAP, 4, dtype=torch.float64).share_memory_()
         self.trace_n = torch.zeros(2, dtype=torch.long).share_memory_()
         self.status = torch.zeros(4, dtype=torch.float64).share_memory_()
@@ -425,7 +436,8 @@ class ProcessDevice(Device):
         try:
             # plain pickle: a plan is lists and numbers (Connection.send's reducer, which can
             # pass tensors, cost ~20 us a command)
-            self._compute.send_bytes(pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL))
+            self._compute.send_bytes(pickle.dumps((cmd, time.perf_counter()),
+                                                  protocol=pickle.HIGHEST_PROTOCOL))
         except (BrokenPipeError, OSError):
             self._check(alive=True)
             self._fail("the simulated device stopped taking commands (its pipe is closed)")
@@ -474,7 +486,7 @@ class ProcessDevice(Device):
         """Sleep through most of the expected wait, then spin on the stamp (a CUDA event wait
         spins too): the host sees the tokens microseconds after they land, not an OS wake-up
         later. Only with the device on a core of its own, else spinning would starve it."""
-        if self.device_cpus is None:
+        if self.device_cpus is None or time.perf_counter() < self._spin_paused_until:
             return
         host, t0 = self._host_np, time.perf_counter()
         wake = t0 + self._expect_s - HOST_SPIN_S
@@ -482,8 +494,12 @@ class ProcessDevice(Device):
             if self.copy_done[slot].acquire(timeout=wake - t0):
                 self.copy_done[slot].release()  # not ours to take here: the wait loop counts
         until = max(wake, t0) + 2 * HOST_SPIN_S
-        while int(host[slot, 1]) != step and time.perf_counter() < until:
-            os.sched_yield()  # spin-yield, as CUDA's cudaDeviceScheduleYield
+        spun = now = time.perf_counter()
+        while int(host[slot, 1]) != step and (now := time.perf_counter()) < until:
+            pass
+        done = float(self._done_at_np[slot])
+        if int(host[slot, 1]) == step and done > spun and now - done > SPIN_LATE_S:
+            self._spin_paused_until = now + SPIN_PAUSE_S  # another program holds this core
 
     def wait_tokens(self, slot: int) -> list[int]:
         """Wait for the slot's stamped tokens; a failed or stalled device raises DeviceError."""
