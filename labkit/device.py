@@ -489,11 +489,13 @@ class ProcessDevice(Device):
         if self.device_cpus is None or time.perf_counter() < self._spin_paused_until:
             return
         host, t0 = self._host_np, time.perf_counter()
-        wake = t0 + self._expect_s - HOST_SPIN_S
+        # sleep through 90% of the expected wait, spin through the rest and 30% beyond it
+        # (a step's time varies by more than a fixed margin on a long step)
+        wake = t0 + 0.9 * self._expect_s - HOST_SPIN_S
         if wake - t0 > 0.001 and int(host[slot, 1]) != step:
             if self.copy_done[slot].acquire(timeout=wake - t0):
                 self.copy_done[slot].release()  # not ours to take here: the wait loop counts
-        until = max(wake, t0) + 2 * HOST_SPIN_S
+        until = t0 + 1.3 * self._expect_s + 2 * HOST_SPIN_S
         spun = now = time.perf_counter()
         while int(host[slot, 1]) != step and (now := time.perf_counter()) < until:
             pass

@@ -159,14 +159,19 @@ def run_once(engine, prompt_ids: list[list[int]], tokens: int, decoder: str,
 HOST_WORK = ("plan", "prefill", "decode", "sample", "commit")  # host spans that are work
 
 
-def steady_ms_per_step(timeline, skip: int = 2) -> tuple[float, float, float] | None:
+def steady_ms_per_step(timeline, skip: int = 2, envelope: bool = True
+                       ) -> tuple[float, float, float] | None:
     """(wall ms, host work ms, device ms) per decode step of one segment, in steady state.
 
     Wall: the period between consecutive decode launches, after the first `skip` periods (a
     pipelined segment starts empty and needs two launches to fill). Host work: the host's own
     spans (plan, launch, sample launch, commit; not its waits) of the steps those periods
-    begin; device: the device's forward and sample spans of the same steps. None if the
-    segment is too short to have a steady state.
+    begin. Device: with `envelope` (a blocking run), from the start of the step's first
+    command on the device to the end of its last: the device runs a step's commands back to
+    back, and the gaps between them are its own dispatch (a GPU's between kernels), not a
+    round trip; without it (a pipelined run, whose device may wait between a step's forward
+    and its sample), the sum of its spans. None if the segment is too short to have a steady
+    state.
     """
     decodes = [s for s in timeline.lane("host") if s.label == "decode"]
     if len(decodes) < skip + 2:
@@ -179,7 +184,16 @@ def steady_ms_per_step(timeline, skip: int = 2) -> tuple[float, float, float] | 
                     if s.step == step and (labels is None or s.label in labels))
                 for step in counted] + [0.0]  # the last launch begins no counted period
 
-    t_host, t_device, _ = cost_model(launches, per_step("host", HOST_WORK), per_step("compute"))
+    def device_envelope():
+        spans = {}
+        for s in timeline.lane("compute"):
+            a, b = spans.get(s.step, (s.t0, s.t1))
+            spans[s.step] = (min(a, s.t0), max(b, s.t1))
+        return [spans[step][1] - spans[step][0] if step in spans else 0.0
+                for step in counted] + [0.0]
+
+    device = device_envelope() if envelope else per_step("compute")
+    t_host, t_device, _ = cost_model(launches, per_step("host", HOST_WORK), device)
     n = len(launches) - 1
     return (launches[-1] - launches[0]) / n * 1e3, t_host * 1e3, t_device * 1e3
 
@@ -201,7 +215,7 @@ def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: i
         decoder = order[len(turns) % 2]
         with Timeline.record(engine) as tl:
             run(engine, decoder, max_steps=segment)
-        turns.append((decoder, steady_ms_per_step(tl)))
+        turns.append((decoder, steady_ms_per_step(tl, envelope=decoder == "blocking")))
     engine.check_all_released()
     for rid in ids:
         engine.forget(rid)
