@@ -16,7 +16,8 @@ both caches share this metadata. The backends share one signature and one test:
   attention, with grouped-query heads folded into the query rows so K and V are never repeated.
 - `FlashAttention` (below, with the chapter-04 functions `flash_attention`, `merge_partials`,
   `flash_decode`): the KV pool a tile of pages at a time with an online softmax; its
-  `FlashMeta` holds no [B, L] slots and no mask. On CUDA, labkit.kernels.attention_triton's kernel.
+  `FlashMeta` holds no [B, L] slots and no mask. On the CPU, labkit's C++ kernel runs the tile
+  loop (`FlashAttention.reference` is it in PyTorch); on CUDA, labkit.kernels.attention_triton's.
 """
 
 from __future__ import annotations
@@ -481,15 +482,44 @@ class FlashAttention(AttentionBackend):
     """Reads the KV pool a tile (`tile_tokens`, whole pages when they fit) at a time through
     the block tables, with online softmax; decode merges per-tile partials (split-K).
 
-    On CUDA with triton importable, the fused kernel in labkit.kernels.attention_triton runs
-    instead.
+    On the CPU (fp32), labkit's C++ kernel (`labkit/kernels/flash_attention.cpp`) runs this
+    loop, writing k and v in the same call; `reference` is the same loop in PyTorch, the one to
+    read, and what runs with `cpu_kernel=False`, without a compiler or under a torch mode. On
+    CUDA with triton importable, the fused kernel in labkit.kernels.attention_triton runs.
     """
 
     meta_type = FlashMeta
 
-    def __init__(self, store: KVStore, tile_tokens: int = 256):
+    def __init__(self, store: KVStore, tile_tokens: int = 256, cpu_kernel: bool = True):
         super().__init__(store)
         self.tile_tokens = tile_tokens
+        self.cpu_kernel = cpu_kernel  # False: always the Python tiles (for comparison)
+
+    def _tile(self, block_size: int) -> int:
+        """Keys per tile: whole pages; a slice of one when a page is larger (the contiguous
+        cache's one page per row)."""
+        if block_size <= self.tile_tokens:
+            return self.tile_tokens // block_size * block_size
+        return self.tile_tokens
+
+    def _in_place(self, q: torch.Tensor):
+        """labkit's CPU kernel when it serves this call (PagedAttention's rule), else None."""
+        if not (self.cpu_kernel and self.store.k.dtype == torch.float32):
+            return None
+        return cpu_kernels.usable(q)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> torch.Tensor:
+        kernel = self._in_place(q)
+        if kernel is None:
+            return super().attend(layer, q, k, v)
+        m = self.meta
+        assert m is not None, "begin_step(meta) must come before the forward"
+        # one call a layer: write k and v at their slots, then the tiles of every token
+        return kernel.flash_attention(q, k, v, m.write_slots, self.store.k_layers[layer],
+                                      self.store.v_layers[layer], m.block_tables,
+                                      m.block_size, self._tile(m.block_size), m.q_index,
+                                      m.query_lens, m.positions, 1.0 / math.sqrt(q.shape[-1]))
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         m = self.meta
@@ -497,13 +527,18 @@ class FlashAttention(AttentionBackend):
             return attention_triton.paged_flash_forward(
                 q, self.store.k[layer], self.store.v[layer], m.q_index, m.starts, m.query_lens,
                 m.block_tables, m.block_size)
+        return self.reference(layer, q)
+
+    def reference(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """The tile loop in PyTorch: q [T, H, D] over the cached context of `layer` (k and v of
+        this step already written): [T, H, D]. The C++ kernel computes the same, per token."""
+        m = self.meta
         b, tq = m.q_index.shape
         t, h, d = q.shape
         hkv = self.store.k.shape[2]
         g = h // hkv
         bs = m.block_size
-        # whole pages per tile; a slice of one when a page is larger (the contiguous slab)
-        tile = self.tile_tokens // bs * bs if bs <= self.tile_tokens else self.tile_tokens
+        tile = self._tile(bs)
         qp = q[m.q_index].float() / math.sqrt(d)  # [B, Tq, H, D]
         qg = qp.view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * tq, d)
         q_pos = (m.starts[:, None] + torch.arange(tq, device=q.device).repeat(g)[None, :])

@@ -123,7 +123,8 @@ def test_flash_meta_has_no_context_slots_and_no_mask():
         assert torch.equal(getattr(meta, name), getattr(ref, name)), name
 
 
-def _engine_tokens(attention: str, decoder: str, cache: str = "paged") -> list[list[int]]:
+def _engine_tokens(attention: str, decoder: str, cache: str = "paged",
+                   flash_kernel: bool = True) -> list[list[int]]:
     from labkit.decoders import run
     from labkit.engine import Engine
     from labkit.model import LlamaModel, init_random
@@ -134,6 +135,7 @@ def _engine_tokens(attention: str, decoder: str, cache: str = "paged") -> list[l
                     cache=cache)
     if attention == "flash":
         engine.device.runner.backend.tile_tokens = 8  # two pages a tile: many tiles per step
+        engine.device.runner.backend.cpu_kernel = flash_kernel  # False: the Python tiles
     gen = torch.Generator().manual_seed(0)
     ids = []
     for i, n in enumerate([3, 17, 40, 9, 26]):  # more requests than rows: some wait, some mix
@@ -150,7 +152,8 @@ def _engine_tokens(attention: str, decoder: str, cache: str = "paged") -> list[l
 @pytest.mark.parametrize("decoder", ["blocking", "pipelined"])
 def test_engine_gives_the_same_tokens_with_flash(decoder):
     paged = _engine_tokens("paged", decoder)
-    assert _engine_tokens("flash", decoder) == paged
+    assert _engine_tokens("flash", decoder) == paged  # on a CPU: labkit's C++ kernel
+    assert _engine_tokens("flash", decoder, flash_kernel=False) == paged  # its Python tiles
     assert _engine_tokens("naive", decoder) == paged
     # the contiguous cache is one page per row: flash's tiles are slices of that page
     assert _engine_tokens("flash", decoder, cache="contiguous") == paged

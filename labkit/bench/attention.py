@@ -19,6 +19,13 @@ predicted_bytes_moved, max_abs_err}`.
 
 Then a tile-size sweep of flash prefill at one S: its Python tile loop costs a few
 microseconds per tile, so small tiles are slow and large tiles cost memory.
+
+`--impls` also takes the engine's attention backends, reading the same K and V from a paged
+pool (pages of `POOL_BLOCK` tokens, scattered) through a block table, each call writing the
+step's new k and v first, as in a forward: `paged-cpp` (PagedAttention's C++ kernel),
+`flash-cpp` (FlashAttention's C++ kernel: tiles of `POOL_TILE` keys, split-K for decode) and
+`flash-py` (FlashAttention.reference, the same tiles in PyTorch). Their predicted bytes count
+each (token, KV head) reading its own keys once, as their loops do (block_q = 1).
 """
 
 from __future__ import annotations
@@ -36,13 +43,24 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.nn import functional as F
 
-from labkit.attention import flash_attention, flash_decode, naive_attention
+from labkit.attention import (
+    FlashAttention,
+    FlashMeta,
+    PagedAttention,
+    flash_attention,
+    flash_decode,
+    naive_attention,
+)
+from labkit.model import ModelConfig
+from labkit.paged_kv import PagedKVCache
 
 SEQ_LENS = (512, 1024, 2048, 4096, 8192)
 QUICK_SEQ_LENS = (512, 1024, 2048)
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64  # grouped-query, two query heads per KV head
 BLOCK_Q, BLOCK_K = 256, 256  # flash prefill's tiles (see the sweep)
 DECODE_SPLITS, DECODE_BLOCK_K = 4, 2048  # flash-decoding: chunks, and the tile inside each
+POOL_BLOCK, POOL_TILE = 16, 256  # the engine backends' pool: tokens a page, keys a flash tile
+BACKEND_IMPLS = ("paged-cpp", "flash-cpp", "flash-py")  # on request (--impls)
 F32 = 4  # bytes per element
 
 
@@ -206,6 +224,49 @@ def implementations(phase: str, block_q: int = BLOCK_Q, block_k: int = BLOCK_K) 
             "flash": flash, "sdpa": lambda q, k, v: _sdpa(q, k, v, causal)}
 
 
+class _PoolBackend:
+    """fn(q, k, v) -> (out, None) for one of the engine's backends: the context k, v laid in a
+    scattered paged pool once per input (made on the first call with it), then each call
+    attends the last Tq tokens as one sequence's step: writes their k and v, then attends."""
+
+    def __init__(self, impl: str):
+        self.impl = impl
+        self._for: tuple | None = None  # (q, the backend, q, k, v of the step)
+
+    def _setup(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        _, h, tq, d = q.shape
+        hkv, seq_len = k.shape[1], k.shape[2]
+        cfg = ModelConfig.tiny().with_(num_heads=h, num_kv_heads=hkv, head_dim=d, num_layers=1)
+        pages = -(-seq_len // POOL_BLOCK)
+        table = torch.randperm(pages, generator=torch.Generator().manual_seed(0))  # scattered
+        store = PagedKVCache(cfg, pages, POOL_BLOCK)
+        slots = table[torch.arange(seq_len) // POOL_BLOCK] * POOL_BLOCK + torch.arange(
+            seq_len) % POOL_BLOCK  # [S]
+        store.write(0, slots, k[0].transpose(0, 1), v[0].transpose(0, 1))  # [S, Hkv, D]
+        if self.impl == "paged-cpp":
+            attn, meta_type = PagedAttention(store), PagedAttention.meta_type
+        else:
+            attn = FlashAttention(store, POOL_TILE, cpu_kernel=self.impl == "flash-cpp")
+            meta_type = FlashMeta
+        attn.begin_step(meta_type.build(torch.tensor([tq]), torch.tensor([seq_len - tq]),
+                                        table[None], POOL_BLOCK))
+        step = (q[0].transpose(0, 1).contiguous(),  # [Tq, H, D]: the step's packed queries
+                k[0, :, seq_len - tq:].transpose(0, 1), v[0, :, seq_len - tq:].transpose(0, 1))
+        self._for = (q, attn, step)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if self._for is None or self._for[0] is not q:
+            self._setup(q, k, v)
+        _, attn, (qs, ks, vs) = self._for
+        out = attn.attend(0, qs, ks, vs)  # [Tq, H, D]
+        return out.transpose(0, 1)[None], None  # [1, H, Tq, D]
+
+
+def backend_implementations() -> dict:
+    """impl name -> fn(q, k, v) -> (out, None) for the engine's backends over a paged pool."""
+    return {name: _PoolBackend(name) for name in BACKEND_IMPLS}
+
+
 def predicted(phase: str, impl: str, seq_len: int, block_q: int = BLOCK_Q,
               block_k: int = BLOCK_K) -> int:
     """predicted_bytes_moved of one row."""
@@ -214,6 +275,8 @@ def predicted(phase: str, impl: str, seq_len: int, block_q: int = BLOCK_Q,
         return naive_bytes(tq, seq_len, causal=phase == "prefill")
     if impl == "sdpa":
         return sdpa_bytes(tq, seq_len)
+    if impl in BACKEND_IMPLS:  # each (token, KV head) reads its keys: query blocks of one
+        return flash_bytes(tq, seq_len, block_q=1)
     if phase == "decode":
         return flash_decode_bytes(seq_len)
     return flash_bytes(tq, seq_len, block_q=block_q, block_k=block_k)
@@ -323,7 +386,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true",
                    help=f"S = {','.join(map(str, QUICK_SEQ_LENS))}, 3 turns, a small sweep")
     p.add_argument("--phases", default="prefill,decode", help="prefill, decode or both")
-    p.add_argument("--impls", default="naive,flash,sdpa", help="which implementations")
+    p.add_argument("--impls", default="naive,flash,sdpa",
+                   help="which implementations: naive, flash, sdpa, and the engine's backends "
+                        f"over a paged pool: {', '.join(BACKEND_IMPLS)}")
     p.add_argument("--repeats", type=int, default=5, help="timed turns per implementation")
     p.add_argument("--sweep-seq-len", type=int, default=None,
                    help="S of the tile-size sweep (default 4096; --quick 1024); 0: no sweep")
@@ -343,10 +408,10 @@ def main(argv: list[str]) -> int:
         return 2
     phases = [x for x in args.phases.split(",") if x]
     names = [x for x in args.impls.split(",") if x]
-    if set(phases) - {"prefill", "decode"} or set(names) - {"naive", "flash", "sdpa"} \
-            or args.repeats < 1:
-        print("error: --phases takes prefill,decode; --impls naive,flash,sdpa; --repeats >= 1",
-              file=sys.stderr)
+    if set(phases) - {"prefill", "decode"} \
+            or set(names) - {"naive", "flash", "sdpa", *BACKEND_IMPLS} or args.repeats < 1:
+        print("error: --phases takes prefill,decode; --impls naive,flash,sdpa,"
+              f"{','.join(BACKEND_IMPLS)}; --repeats >= 1", file=sys.stderr)
         return 2
     if args.threads < 1:
         print("error: --threads must be >= 1", file=sys.stderr)
@@ -361,14 +426,15 @@ def main(argv: list[str]) -> int:
     rows = []
     for phase in phases:
         for s in seq_lens:
-            impls = {n: f for n, f in implementations(phase).items() if n in names}
+            every = {**implementations(phase), **backend_implementations()}
+            impls = {n: every[n] for n in names}
             for r in bench_rows(phase, s, repeats, impls):
                 rows.append(r)
                 if args.json:
                     print(json.dumps(r), flush=True)
                 else:
                     err = "-" if r["max_abs_err"] is None else f"{r['max_abs_err']:.1e}"
-                    log(f"{r['phase']:<8} S={s:>5} {r['impl']:<6} {r['ms']:>9.2f} ms  "
+                    log(f"{r['phase']:<8} S={s:>5} {r['impl']:<9} {r['ms']:>9.2f} ms  "
                         f"peak {r['peak_bytes'] / 2**20:>9.2f} MiB  allocated "
                         f"{r['allocated_bytes'] / 2**20:>9.2f} MiB  predicted "
                         f"{r['predicted_bytes_moved'] / 2**20:>9.2f} MiB moved  err {err}")

@@ -9,6 +9,11 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
                            at::Tensor write_slots, at::Tensor k, at::Tensor v, at::Tensor slots,
                            at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
                            double scale);
+at::Tensor flash_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
+                           at::Tensor write_slots, at::Tensor k, at::Tensor v,
+                           at::Tensor block_tables, int64_t block_size, int64_t tile,
+                           at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
+                           double scale);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
@@ -19,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear_bf16", &int4_linear_bf16, "int4_linear on a bf16 dot product");
   m.def("has_bf16_dot", &has_bf16_dot, "whether this build has int4_linear_bf16");
   m.def("paged_attention", &paged_attention, "attention over the KV pool, read in place");
+  m.def("flash_attention", &flash_attention,
+        "attention over the KV pool a tile of pages at a time, online softmax, split-K decode");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("rope", &rope, "rotary position embedding of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");

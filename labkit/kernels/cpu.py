@@ -5,7 +5,9 @@ cost more in dispatch or conversion than in arithmetic:
 
     lanes.h              the fixed-order lane reductions every kernel shares (batch invariance)
     quant_linear.cpp     int8_linear, int4_linear, int4_linear_bf16
+    attention_tiles.h    what both attention kernels share: scores, exp and sum, weighted V
     paged_attention.cpp  paged_attention
+    flash_attention.cpp  flash_attention
     row_ops.cpp          rms_norm, rope, silu_mul
     bindings.cpp         the Python module
 
@@ -43,6 +45,14 @@ SmolLM2: ~2 ms a layer for the copy alone), and builds a [B, G*Tq, L] mask. Here
 is a token and a KV head: its G query heads share every K and V row read; scores, a softmax
 (a vectorised exp) and the weighted sum of V, in fp32, keys in order.
 
+**flash_attention**: the same reads in place, through the block tables, a tile of whole pages
+at a time with an online softmax (FlashAttention's loop; `FlashAttention.reference` is it in
+Python). Each tile's scores are exponentiated against the tile's own max and folded into the
+running max, sum and fp32 accumulator by log-sum-exp, tiles in order; a decode token's tiles
+are separate work items (split-K: a long context spreads over the threads even at batch 1),
+folded afterwards in the same order. One arithmetic for both, so a token's output is the same
+bits as a decode row or inside a prefill chunk.
+
 **rms_norm, rope, silu_mul**: a layer's small per-row ops (labkit.model calls them), one call
 each instead of 3 to 9 dispatched torch ops: at batch 1 a dispatch costs more than the work.
 
@@ -50,11 +60,12 @@ each instead of 3 to 9 dispatched torch ops: at batch 1 a dispatch costs more th
 its step. In int8_linear and int4_linear each output y[m, n] gets its own accumulator, is
 summed over k in ascending steps of 8 lanes, reduced across lanes in one fixed order, then its
 tail added, whatever the tile shape and whether the weights came from registers or the L1
-buffer. In paged_attention each (token, KV head) runs the same code alone. The engine's claims
-need this (int4_linear_bf16: each output's group sums, then its scaled total, in one order
-for every row count): the pipelined decoder's zombie rows change a step's row count,
-chunked prefill changes which tokens share a step, and the tokens must not change. An int8
-kernel that switched paths with the row count broke exactly that (measured: see
+buffer. In paged_attention and flash_attention each (token, KV head) runs the same code
+alone, and flash_attention folds a token's tiles in one order whichever thread computed them.
+The engine's claims need this (int4_linear_bf16: each output's group sums, then its scaled
+total, in one order for every row count): the pipelined decoder's zombie rows change a step's
+row count, chunked prefill changes which tokens share a step, and the tokens must not change.
+An int8 kernel that switched paths with the row count broke exactly that (measured: see
 results/cpu-quiet-2026-12-01.md).
 
 **The build.** The kernels are compiled once per CPU kind (`torch.utils.cpp_extension.load`: a
@@ -90,8 +101,8 @@ from labkit.utils.cache import cache_dir
 
 HERE = Path(__file__).parent
 # every file the build reads: the key covers them all
-SOURCES = ("lanes.h", "quant_linear.cpp", "paged_attention.cpp", "row_ops.cpp",
-           "bindings.cpp")
+SOURCES = ("lanes.h", "quant_linear.cpp", "attention_tiles.h", "paged_attention.cpp",
+           "flash_attention.cpp", "row_ops.cpp", "bindings.cpp")
 # -ffp-contract=off: no FMA the source did not write, so a scalar tail sums the same way in
 # every template instance (the batch invariance above depends on it)
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")

@@ -1,0 +1,199 @@
+// The pieces both attention kernels share (paged_attention.cpp, flash_attention.cpp): the
+// write of a step's new k and v into the pool, the scores of a KV head's G query heads against a
+// run of keys read in place, exp and sum, the weighted sum of V rows, and the dealing of work
+// items to threads. Each runs the same operations on a row whatever else is in the call, keys in
+// order (lanes.h): the kernels built from them are batch-invariant.
+#pragma once
+
+#include "lanes.h"
+
+#ifdef __AVX2__
+// the lane sums of four vectors, [sum a, sum b, sum c, sum d], in one fixed order
+static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// scores of GC query heads (q, rows D apart) against 4 key rows at once (independent sums in
+// flight: one dot product alone waits on its own FMA chain). s[g * lds + j] for j < n.
+template <int GC>
+static inline void scores4(const float* q, const float* const* kr, int64_t D, float scale,
+                           float* s, int64_t lds, int n) {
+  const int64_t D8 = D - D % 8;
+  __m256 acc[4][GC];
+  for (int j = 0; j < 4; ++j)
+    for (int g = 0; g < GC; ++g) acc[j][g] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D8; d += 8) {
+    __m256 qv[GC];
+    for (int g = 0; g < GC; ++g) qv[g] = _mm256_loadu_ps(q + g * D + d);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = _mm256_loadu_ps(kr[j] + d);
+      for (int g = 0; g < GC; ++g) acc[j][g] = _mm256_fmadd_ps(qv[g], kv, acc[j][g]);
+    }
+  }
+  for (int g = 0; g < GC; ++g) {
+    alignas(16) float r[4];
+    _mm_store_ps(r, sum4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]));
+    for (int j = 0; j < n; ++j) {
+      for (int64_t d = D8; d < D; ++d) r[j] += q[g * D + d] * kr[j][d];
+      s[g * lds + j] = r[j] * scale;
+    }
+  }
+}
+
+// o[g][d0 .. d0 + 8C) = inv[g] * sum over keys p of w[g * nk + p] * v_p[d0 ..], keys in order;
+// GC x C accumulators stay in registers for the whole context
+template <int GC, int C>
+static inline void weighted_v(const float* w, const float* vp, const int64_t* off, int64_t nk,
+                              int64_t d0, const float* inv, float* o, int64_t D) {
+  __m256 acc[GC][C];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < nk; ++p) {
+    const float* vr = vp + off[p] + d0;
+    __m256 wv[GC];
+    for (int g = 0; g < GC; ++g) wv[g] = _mm256_set1_ps(w[g * nk + p]);
+    for (int c = 0; c < C; ++c) {
+      const __m256 vv = _mm256_loadu_ps(vr + 8 * c);
+      for (int g = 0; g < GC; ++g) acc[g][c] = _mm256_fmadd_ps(wv[g], vv, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_ps(o + g * D + d0 + 8 * c,
+                       _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
+}
+
+template <int GC>
+static inline void scores_all(const float* q, const float* kp, const int64_t* off, int64_t nk,
+                              int64_t D, float scale, float* s) {
+  for (int64_t p = 0; p < nk; p += 4) {
+    const int n = (int)std::min<int64_t>(4, nk - p);
+    const float* kr[4];
+    for (int j = 0; j < 4; ++j) kr[j] = kp + off[p + (j < n ? j : 0)];  // padding: re-read
+    scores4<GC>(q, kr, D, scale, s + p, nk, n);
+  }
+}
+
+template <int GC>
+static inline void weighted_all(const float* w, int64_t nk, const float* vp,
+                                const int64_t* off, int64_t D, const float* inv, float* o) {
+  const int64_t D8 = D - D % 8;
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D8; d0 += 32) weighted_v<GC, 4>(w, vp, off, nk, d0, inv, o, D);
+  switch ((D8 - d0) / 8) {
+    case 3: weighted_v<GC, 3>(w, vp, off, nk, d0, inv, o, D); break;
+    case 2: weighted_v<GC, 2>(w, vp, off, nk, d0, inv, o, D); break;
+    case 1: weighted_v<GC, 1>(w, vp, off, nk, d0, inv, o, D); break;
+    default: break;
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int64_t d = D8; d < D; ++d) {
+      float a = 0.0f;
+      for (int64_t p = 0; p < nk; ++p) a += w[g * nk + p] * vp[off[p] + d];
+      o[g * D + d] = a * inv[g];
+    }
+}
+#endif
+
+
+// p[0..n) = exp(p - max), returns their sum; every element through the same exp
+static inline float exp_and_sum(float* p, int64_t n, float max) {
+  const int64_t n8 = n - n % 8;
+  float total;
+#ifdef __AVX2__
+  const __m256 m = _mm256_set1_ps(max);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n8; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), m));
+    _mm256_storeu_ps(p + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  total = lanes_sum(acc);
+  if (n8 < n) {
+    alignas(32) float tail[8];
+    for (int j = 0; j < 8; ++j) tail[j] = n8 + j < n ? p[n8 + j] - max : -100.0f;
+    _mm256_store_ps(tail, exp8(_mm256_load_ps(tail)));
+    for (int64_t j = 0; n8 + j < n; ++j) { p[n8 + j] = tail[j]; total += tail[j]; }
+  }
+#else
+  float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t i = 0; i < n8; i += 8)
+    for (int j = 0; j < 8; ++j) { p[i + j] = std::exp(p[i + j] - max); l[j] += p[i + j]; }
+  total = sum8(l);
+  for (int64_t i = n8; i < n; ++i) { p[i] = std::exp(p[i] - max); total += p[i]; }
+#endif
+  return total;
+}
+
+// s[g * nk + p] = scale * (query head g . key p) for the G query heads at qh (D apart) and
+// the nk keys whose rows start at kp + off[p]
+static inline void scores(const float* qh, const float* kp, const int64_t* off, int64_t nk,
+                          int64_t G, int64_t D, float scale, float* s) {
+#ifdef __AVX2__
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {  // query heads three at a time (registers)
+    switch (std::min<int64_t>(3, G - g0)) {
+      case 3: scores_all<3>(qh + g0 * D, kp, off, nk, D, scale, s + g0 * nk); break;
+      case 2: scores_all<2>(qh + g0 * D, kp, off, nk, D, scale, s + g0 * nk); break;
+      default: scores_all<1>(qh + g0 * D, kp, off, nk, D, scale, s + g0 * nk); break;
+    }
+  }
+#else
+  for (int64_t p = 0; p < nk; ++p)
+    for (int64_t g = 0; g < G; ++g) s[g * nk + p] = dot(qh + g * D, kp + off[p], D) * scale;
+#endif
+}
+
+// oh[g] = inv[g] * sum over keys p of w[g * nk + p] * (value row at vp + off[p]), keys in order
+static inline void weighted(const float* w, int64_t nk, const float* vp, const int64_t* off,
+                            int64_t G, int64_t D, const float* inv, float* oh) {
+#ifdef __AVX2__
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    switch (std::min<int64_t>(3, G - g0)) {
+      case 3: weighted_all<3>(w + g0 * nk, nk, vp, off, D, inv + g0, oh + g0 * D); break;
+      case 2: weighted_all<2>(w + g0 * nk, nk, vp, off, D, inv + g0, oh + g0 * D); break;
+      default: weighted_all<1>(w + g0 * nk, nk, vp, off, D, inv + g0, oh + g0 * D); break;
+    }
+  }
+#else
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) {
+      float a = 0.0f;
+      for (int64_t p = 0; p < nk; ++p) a += w[g * nk + p] * vp[off[p] + d];
+      oh[g * D + d] = a * inv[g];
+    }
+#endif
+}
+
+// the new tokens' k and v ([T, Hkv, D], rows of any stride) into the pool k, v [S, Hkv, D] at
+// write_slots [T]: one call instead of two index_copy_ a layer
+static inline void write_kv(const at::Tensor& k_new, const at::Tensor& v_new,
+                            const int64_t* wp, int64_t S, float* kw, float* vw) {
+  const int64_t T = k_new.size(0), Hkv = k_new.size(1), D = k_new.size(2);
+  const float* kn = k_new.data_ptr<float>();
+  const float* vn = v_new.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(wp[t] >= 0 && wp[t] < S, "a write slot outside the pool");
+    for (int64_t h = 0; h < Hkv; ++h) {
+      std::copy_n(kn + t * k_new.stride(0) + h * k_new.stride(1), D, kw + (wp[t] * Hkv + h) * D);
+      std::copy_n(vn + t * v_new.stride(0) + h * v_new.stride(1), D, vw + (wp[t] * Hkv + h) * D);
+    }
+  }
+}
+
+// at::parallel_for gives thread i the i-th equal range of [0, nth * chunk): deal the n work
+// items (costliest first, by cost[i]) round-robin into those ranges, so that every thread gets
+// a like share of the work; -1 is a hole. Which thread runs an item never changes its result.
+static inline std::vector<int64_t> deal(const std::vector<int64_t>& cost, int64_t& nth,
+                                        int64_t& chunk) {
+  const int64_t n = (int64_t)cost.size();
+  nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  chunk = (n + nth - 1) / nth;
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::vector<int64_t> place(nth * chunk, -1);
+  for (int64_t r = 0; r < n; ++r) place[(r % nth) * chunk + r / nth] = order[r];
+  return place;
+}
