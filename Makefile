@@ -53,12 +53,18 @@ $(STAMP): requirements.txt pyproject.toml | $(BIN)/python
 setup: $(STAMP)
 
 # The server's root is the repository, so that the file browser reaches exercises/ and the
-# README; the course opens at its first notebook. As root (containers, many workshop VMs),
-# Jupyter refuses to start without --allow-root.
+# README; the course opens at its first notebook, and so does the URL it prints (its default
+# URL). As root (containers, many workshop VMs), Jupyter refuses to start without --allow-root.
+# On a remote machine: make lab PORT=8890 NO_BROWSER=1, then open the printed URL through an
+# SSH tunnel (ssh -L 8890:localhost:8890 HOST).
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+PORT ?=
+NO_BROWSER ?=
+LAB_FLAGS := $(if $(PORT),--port=$(PORT)) $(if $(NO_BROWSER),--no-browser)
 
 lab: setup
-	$(BIN)/jupyter lab --ServerApp.root_dir="$(CURDIR)" $(ALLOW_ROOT) notebooks/00_welcome.ipynb
+	$(BIN)/jupyter lab --ServerApp.root_dir="$(CURDIR)" \
+		--LabApp.default_url=/lab/tree/notebooks/00_welcome.ipynb $(ALLOW_ROOT) $(LAB_FLAGS)
 
 # The notebooks run once, in QUICK mode: nbval checks that every cell runs, and the run's
 # outputs (scripts/nbval_capture.py) become the book, which must build without a warning and
@@ -88,9 +94,10 @@ bundle: setup
 		--torch-index "$(TORCH_CPU_INDEX)" --model "$(MODEL_PKG)"
 
 # Grade your own answers in exercises/ (the same graders that check labkit's solutions): one
-# line per exercise, passed, not attempted, or what is wrong.
+# line per exercise, passed, not attempted, or what is wrong, then a summary; a wrong answer is
+# a grade, not an error (exit 0). NAMES=... grades only those (e.g. make grade NAMES=rms_norm).
 grade: setup
-	$(BIN)/python -m labkit grade
+	$(BIN)/python -m labkit grade $(NAMES)
 
 lint: setup
 	$(BIN)/ruff check .

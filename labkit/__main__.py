@@ -12,7 +12,7 @@ import sys
 COMMANDS = {
     "generate": ("labkit.cli", "generate_main", "generate text with the engine"),
     "info": ("labkit.cli", "info_main", "versions, threads, device, model cache"),
-    "bench": ("labkit.bench.cli", "main", "benchmarks: `bench generate`, `bench decode`"),
+    "bench": ("labkit.bench.cli", "main", "benchmarks (`bench SUB --help`):"),
     "roofline": ("labkit.cli", "roofline_main", "roofline analysis of a model on a device"),
     "serve": ("labkit.serving.server", "serve_main",
               "an OpenAI-compatible HTTP server over the engine"),
@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     """Dispatch to a command's own `main(argv)`; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        from labkit.bench.cli import SUBCOMMANDS  # names only: no benchmark is imported
+
         lines = [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+        at = list(COMMANDS).index("bench") + 1
+        lines[at:at] = [f"    {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
         print("usage: python -m labkit COMMAND [ARGS ...]\n\ncommands:\n" + "\n".join(lines),
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         if argv and argv[0] not in ("-h", "--help"):

@@ -24,6 +24,8 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if default is None or default is False or default is argparse.SUPPRESS or (
                 "default" in text):
             return text
+        if isinstance(default, (list, tuple)):  # as it is typed: --rate 2,8, not [2.0, 8.0]
+            return f"{text} (default: {','.join(str(x) for x in default)})"
         return super()._get_help_string(action) or ""
 
 

@@ -6,23 +6,28 @@ they call the stubs in `exercises/`; otherwise labkit's own solutions, which mus
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
+from pathlib import Path
+
+from labkit.graders import check
 
 USE_EXERCISES = os.environ.get("LABKIT_EXERCISES") == "1"
+
+
+ROOT = Path(__file__).resolve().parent.parent  # this clone: its exercises/, not another's
 
 
 def pick(module: str, name: str, solution: Callable) -> Callable:
     """The learner's `exercises/<module>.py::<name>` when grading exercises, else `solution`."""
     if USE_EXERCISES:
-        return getattr(importlib.import_module(f"exercises.{module}"), name)
+        return getattr(check.load_exercises(module, ROOT), name)
     return solution
 
 
 def stub(module: str, name: str) -> Callable:
     """The untouched stub, for the test that checks stubs fail with a helpful message."""
-    return getattr(importlib.import_module(f"exercises.{module}"), name)
+    return getattr(check.load_exercises(module, ROOT), name)
 
 
 def solutions() -> dict[str, Callable]:

@@ -80,3 +80,91 @@ def test_a_step_over_its_floor_moves_with_the_memory_measured_beside_it():
     assert slow > 3.5 * floor
     assert pairs() == pytest.approx(0.010 / slow)
     assert pairs.bandwidths == [hw.bandwidth, 2 * hw.bandwidth, hw.bandwidth / 4]
+
+
+def _loaded(samples, busy, remeasure=None):
+    return Estimate(tuple(samples), busy=busy, remeasure=remeasure)
+
+
+FALSE = (9.0, 9.1, 8.9, 9.05, 8.95)  # a ratio of about 9 against the claim 1 to 3
+TRUE = (2.0, 2.1, 1.9, 2.05, 1.95)
+
+
+def test_a_claim_refuted_under_load_is_inconclusive_and_measured_again(capsys):
+    again = iter([_loaded(TRUE, busy=0.1)])
+    hold(_loaded(FALSE, busy=1.4, remeasure=lambda: next(again)), 1.0, 3.0, "step over floor")
+    out = capsys.readouterr().out
+    assert "other processes kept 1.4 cores busy: inconclusive under load" in out, out
+    assert "measuring again (1 of 3)" in out and "the re-measure holds" in out, out
+
+
+def test_a_false_claim_still_fails_under_load_when_every_re_measure_agrees():
+    from labkit import claims
+
+    calls = []
+
+    def again():
+        calls.append(1)
+        return _loaded(FALSE, busy=1.4, remeasure=again)
+
+    with pytest.raises(AssertionError) as info:
+        hold(_loaded(FALSE, busy=1.4, remeasure=again), 1.0, 3.0, "step over floor",
+             above="something else runs in the step")
+    assert len(calls) == claims.REMEASURES
+    message = str(info.value)
+    assert "above the claim's range 1 to 3: something else runs in the step" in message
+    assert f"measured {claims.REMEASURES + 1} times, every time outside" in message
+    assert "other processes kept 1.4 cores busy" in message
+
+
+def test_a_quiet_re_measure_that_refutes_the_claim_fails_at_once():
+    calls = []
+
+    def quiet():
+        calls.append(1)
+        return _loaded(FALSE, busy=0.0, remeasure=quiet)
+
+    with pytest.raises(AssertionError, match="measured 2 times"):
+        hold(_loaded(FALSE, busy=1.4, remeasure=quiet), 1.0, 3.0, "step over floor")
+    assert len(calls) == 1
+
+
+def test_a_quiet_refutation_is_not_measured_again():
+    def never():
+        raise AssertionError("a quiet estimate must not be re-measured")
+
+    with pytest.raises(AssertionError, match="above the claim's range"):
+        hold(_loaded(FALSE, busy=0.2, remeasure=never), 1.0, 3.0, "step over floor")
+    hold(_loaded(TRUE, busy=1.9, remeasure=never), 1.0, 3.0, "a true claim under load")
+
+
+def test_measure_records_the_load_and_re_measures_the_same_way(monkeypatch):
+    import torch
+
+    from labkit import claims
+
+    load = iter([1.4, 0.0])  # busy while the first estimate is drawn, quiet for the second
+    monkeypatch.setattr(claims, "busy_elsewhere", lambda since: next(load))
+    values = itertools.chain([9.0] * 5, [2.0] * 5)  # slow under load, then as claimed
+    threads = []
+
+    def sample():
+        threads.append(torch.get_num_threads())
+        return next(values)
+
+    with claims.torch_threads(1):
+        est = measure(sample, n=5, max_n=5)
+    assert est.busy == 1.4 and est.loaded and est.median == 9.0
+    hold(est, 1.0, 3.0, "ratio")  # the re-measure (quiet, 2.0) decides
+    assert len(threads) == 10 and set(threads) == {1}  # at the thread count it was measured at
+
+
+def test_a_false_claim_measured_under_constant_load_fails(monkeypatch):
+    from labkit import claims
+
+    monkeypatch.setattr(claims, "busy_elsewhere", lambda since: 1.4)
+    drawn = []
+    est = measure(lambda: drawn.append(1) or 9.0 + 0.01 * (len(drawn) % 3), n=5, max_n=5)
+    with pytest.raises(AssertionError, match="every time outside"):
+        hold(est, 1.0, 3.0, "ratio")
+    assert len(drawn) == 5 * (claims.REMEASURES + 1)

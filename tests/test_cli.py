@@ -327,3 +327,48 @@ def test_generate_n_draws_n_answers_sharing_the_prompt():
     assert "KV pages shared" in proc.stderr
     bad = labkit("generate", "--model", "tiny", "--n", "0", "hi")
     assert bad.returncode == 2 and "--n: n must be an integer in [1, 128]" in bad.stderr
+
+
+def test_top_level_help_lists_every_benchmark(capsys):
+    from labkit.__main__ import main
+    from labkit.bench.cli import SUBCOMMANDS
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    missing = [name for name in SUBCOMMANDS if f"    {name} " not in out]
+    assert not missing, f"`python -m labkit --help` does not list bench {missing}:\n{out}"
+
+
+class _Parsed(Exception):
+    """Raised in place of parsing, carrying the parser a command built."""
+
+
+EVERY_COMMAND = [["generate"], ["roofline"], ["serve"], ["grade"], ["eval", "ppl"],
+                 *(["bench", name] for name in
+                   ("generate", "decode", "serve", "paged", "step", "quant", "ablation"))]
+
+
+@pytest.mark.parametrize("command", EVERY_COMMAND, ids=" ".join)
+def test_every_option_with_a_default_shows_it_in_help(monkeypatch, command):
+    """Each command's parser, caught as it parses: every option that has a default says it."""
+    import argparse
+
+    from labkit.__main__ import main
+    from labkit.cli_parser import _DefaultsFormatter
+
+    def catch(self, *args, **kwargs):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(_Parsed) as info:
+        main([*command, "--help"])
+    parser = info.value.args[0]
+    assert parser.formatter_class is _DefaultsFormatter and not parser.allow_abbrev, command
+    text = "".join(parser.format_help().split())  # argparse wraps lines anywhere
+    for action in parser._actions:
+        if action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            continue
+        help_ = parser.formatter_class("x")._expand_help(action)
+        assert "default" in help_ and "".join(help_.split()) in text, (command, action.dest)
+    assert "(default:None)" not in text and "(default:False)" not in text
+    assert "(default:[" not in text, text  # a list default as it is typed: 2,8

@@ -183,7 +183,7 @@ def main(argv: list[str]) -> int:
         "python -m labkit bench ablation", "The whole engine, then each feature off in turn: "
         "measured against the chapters' cost models.")
     p.add_argument("--model", default="tiny", help="tiny or smollm2-135m")
-    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--requests", type=int, default=8, help="requests in the workload")
     p.add_argument("--rounds", type=int, default=3, help="turns of every setup, alternating")
     p.add_argument("--quant", default="int8", help="the whole engine's weights")
     p.add_argument("--max-seqs", type=int, default=4, help="rows a step holds")

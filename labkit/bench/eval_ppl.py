@@ -7,13 +7,13 @@ prints {file, tokens, nll, ppl, quant}; the scoring itself is labkit.perplexity.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
 import torch
 
 from labkit.bench.report import report_rows
+from labkit.cli_parser import command_parser
 from labkit.perplexity import DEFAULT_TEXT, default_text, nll, read_text
 
 
@@ -34,8 +34,8 @@ def evaluate(model_name: str = "smollm2-135m", quant: str | None = None, file: s
 
 def main(argv: list[str]) -> int:
     """`python -m labkit eval ppl ...`: perplexity of a model, plain or quantized, on a text."""
-    p = argparse.ArgumentParser(prog="python -m labkit eval",
-                                description="Evaluate a model: `eval ppl` (perplexity).")
+    p = command_parser("python -m labkit eval",
+                       "Evaluate a model: `eval ppl` (perplexity).")
     p.add_argument("what", choices=("ppl",), help="ppl: mean token NLL and perplexity")
     p.add_argument("--file", default=None, help=f"a UTF-8 text file (default: {DEFAULT_TEXT})")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, or a path")

@@ -27,6 +27,7 @@ import sys
 import time
 
 from labkit.bench.report import report_rows
+from labkit.cli_parser import command_parser
 from labkit.instruments.kv_sim import simulate_pool
 from labkit.serving.workload import OUTPUT_LENGTHS, PROMPT_LENGTHS, LengthDist, poisson_workload
 
@@ -39,9 +40,9 @@ POLICY_KWARGS = {  # the engine settings of each policy
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse and validate everything before any model loads (bad values exit 2)."""
-    p = argparse.ArgumentParser(prog="python -m labkit bench paged",
-                                description="Concurrency, throughput and KV waste of three "
-                                            "cache policies at equal memory.")
+    p = command_parser("python -m labkit bench paged",
+                       "Concurrency, throughput and KV waste of three "
+                       "cache policies at equal memory.")
     p.add_argument("--kv-tokens", type=int, default=8192, help="KV memory, in token slots")
     p.add_argument("--requests", type=int, default=48, help="requests in the workload")
     p.add_argument("--max-new", type=int, default=500, help="max_new_tokens every request asks")
@@ -50,7 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m", help="a model name (tiny, smollm2-135m)")
     p.add_argument("--policies", default="contiguous,reserve,on_demand",
                    help="comma-separated subset of contiguous, reserve, on_demand")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the workload's seed")
     p.add_argument("--scale", type=float, default=1.0,
                    help="shrink every length by this factor (0 < s <= 1) for quick runs")
     p.add_argument("--json", action="store_true", help="JSON rows on stdout")

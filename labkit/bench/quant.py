@@ -23,7 +23,6 @@ and the activation casts the packed kernels need are what keep a CPU step from i
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ import time
 import torch
 
 from labkit.bench.report import report_rows
+from labkit.cli_parser import command_parser
 
 DEFAULT_SCHEMES = "int8,int4-g32,int4-g64,int4-g32-awq"
 
@@ -153,9 +153,9 @@ def bench_quant(model_name: str = "smollm2-135m", schemes: list[str] | None = No
 
 def main(argv: list[str]) -> int:
     """Entry point of `python -m labkit bench quant`."""
-    p = argparse.ArgumentParser(prog="python -m labkit bench quant",
-                                description="fp32 against int8/int4 weights: step time, tokens/s "
-                                            "and NLL, measured in alternating turns.")
+    p = command_parser("python -m labkit bench quant",
+                       "fp32 against int8/int4 weights: step time, tokens/s "
+                       "and NLL, measured in alternating turns.")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny, or a path")
     p.add_argument("--schemes", default=DEFAULT_SCHEMES, help="comma-separated quant schemes")
     p.add_argument("--batches", default="1,32", help="comma-separated decode batch sizes")

@@ -29,6 +29,7 @@ import sys
 import time
 
 from labkit.bench.report import report_rows
+from labkit.cli_parser import command_parser
 from labkit.serving.metrics import SLO, request_latency, summarize
 from labkit.serving.workload import LengthDist, poisson_workload
 
@@ -57,9 +58,9 @@ def _csv(kind, name: str):
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse and validate everything before any model loads (bad values exit 2)."""
-    p = argparse.ArgumentParser(prog="python -m labkit bench serve",
-                                description="TTFT, TPOT, throughput and goodput under Poisson "
-                                            "arrivals, static against continuous batching.")
+    p = command_parser("python -m labkit bench serve",
+                       "TTFT, TPOT, throughput and goodput under Poisson "
+                       "arrivals, static against continuous batching.")
     p.add_argument("--rate", type=_csv(float, "rate"), default=[2.0],
                    help="arrivals per second (comma-separated for a sweep)")
     p.add_argument("--requests", type=int, default=32, help="requests per run")
@@ -70,8 +71,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m", help="a model name (tiny, smollm2-135m)")
     p.add_argument("--max-seqs", type=int, default=16, help="sequences running at once")
     p.add_argument("--kv-tokens", type=int, default=16384, help="KV pool size in tokens")
-    p.add_argument("--decoder", choices=("blocking", "pipelined"), default="pipelined")
-    p.add_argument("--device", choices=("inprocess", "process"), default="inprocess")
+    p.add_argument("--decoder", choices=("blocking", "pipelined"), default="pipelined",
+                   help="the decode loop")
+    p.add_argument("--device", choices=("inprocess", "process"), default="inprocess",
+                   help="where the model runs: this process or a simulated accelerator process")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput's TTFT bound")
     p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput's TPOT bound")
     p.add_argument("--rounds", type=int, default=1, help="turns of every setting, alternating")

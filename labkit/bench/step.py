@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 
 from labkit.bench.report import report_rows
+from labkit.cli_parser import command_parser
 
 PHASES = ("plan", "metadata", "kv write + attention", "qkvo proj", "mlp", "head",
           "other forward", "sample", "commit")
@@ -29,9 +30,9 @@ PHASES = ("plan", "metadata", "kv write + attention", "qkvo proj", "mlp", "head"
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse and validate everything before any model loads (bad values exit 2)."""
-    p = argparse.ArgumentParser(prog="python -m labkit bench step",
-                                description="A decode step by phase, and the engine's whole "
-                                            "step against the bare model forward.")
+    p = command_parser("python -m labkit bench step",
+                       "A decode step by phase, and the engine's whole "
+                       "step against the bare model forward.")
     p.add_argument("--batch", default="1,32", help="batch sizes, comma-separated")
     p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=12, help="timed decode steps of each kind")

@@ -313,9 +313,12 @@ def serve_main(argv: list[str]) -> int:
 
     p = command_parser("python -m labkit serve", "An OpenAI-compatible HTTP server over "
                        "labkit's engine (/v1/completions, /v1/chat/completions).")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", choices=("inprocess", "process", "cuda"), default="inprocess")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="the TCP port to listen on")
+    p.add_argument("--device", choices=("inprocess", "process", "cuda"), default="inprocess",
+                   help="where the model runs: this process, a simulated accelerator "
+                        "process, or a CUDA GPU")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="max_tokens when a request does not say (default: OpenAI's, 16 for a "
                         "completion, the room left in the context for a chat answer)")
