@@ -161,3 +161,21 @@ def test_the_benches_take_the_pool_and_the_step_budget(capsys):
                               "--max-step-tokens", "32", "--json"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert code == 0 and [r["streams"] for r in rows] == [4]
+
+
+def test_ablation_books_round_trips_from_the_timeline_and_only_in_the_blocking_loop():
+    from labkit.bench.ablation import predict_wall, round_trip_s
+    from labkit.instruments.timeline import Timeline
+
+    tl = Timeline()
+    ms = 1e-3
+    for k in range(3):  # each step: launch ends, the idle device starts 0.1 ms later; the
+        t = k * 10 * ms  # copy ends and the waiting host sees it 0.05 ms later
+        tl.add("host", "decode", k, t, t + 0.2 * ms)
+        tl.add("compute", "forward", k, t + 0.3 * ms, t + 5 * ms)
+        tl.add("host", "wait", k, t + 0.4 * ms, t + 5.25 * ms)
+        tl.add("copy", "copy", k, t + 5.1 * ms, t + 5.2 * ms)
+    assert round_trip_s(tl) == pytest.approx(0.15 * ms)
+    blocking = predict_wall(10, 50, 1.0, 0.1, 0.5, False, round_trip=0.2)
+    assert blocking == pytest.approx(10 * 0.5 + 10 * 1.0 + 50 * 0.1 + 10 * 0.2)
+    assert predict_wall(10, 50, 1.0, 0.1, 0.5, True, round_trip=0.2) == pytest.approx(15.0)

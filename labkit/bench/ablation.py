@@ -16,13 +16,17 @@ Each row also carries the **prediction** of the chapters' cost models, built fro
   and 05: static batching and max-length reservation make more launches, prefix sharing fewer
   tokens).
 
-Predicted wall: `S*h + S*a' + N*b` for the blocking loop, `max(S*h, S*a' + N*b)` for the
-pipelined one (chapter 07), where `a' = a * fp32 bytes / quantized bytes` when quantization is
-off (chapter 03: decode reads the weights, so its fixed cost scales with their bytes). Flash
-attention is predicted to change nothing at these context lengths (chapter 04: it saves
-memory, and a decode row's scores are one row). A feature's predicted speedup is the ablated
-setup's predicted wall over the whole engine's; its measured speedup the same ratio of measured
-walls; `gain_share` holds one against the other.
+Predicted wall: `S*(h + r) + S*a' + N*b` for the blocking loop, `max(S*h, S*a' + N*b)` for
+the pipelined one (chapter 07), where r is the round trip per launch (command and copy, measured
+on the whole engine's timeline: what the pipelined loop hides besides the host's work), and
+`a' = a` except with quantization off. There the launch's fixed cost splits into dispatch and
+weight bytes over the bandwidth the kernels reach (chapter 03), measured by one batch-1 step of
+each format, t_q and t_fp32: `a' = a + (t_fp32 - t_q)`. Where a launch is mostly dispatch (the
+tiny model), int8 is predicted to buy little; where it is mostly bytes (SmolLM2), a lot. Flash
+attention is predicted to change nothing at these context lengths (chapter 04: it saves memory,
+a decode row's scores are one row, and on a CPU both backends are labkit's C++). A feature's
+predicted speedup is the ablated setup's predicted wall over the whole engine's; its measured
+speedup the same ratio of measured walls; `gain_share` holds one against the other.
 """
 
 from __future__ import annotations
@@ -100,20 +104,60 @@ def fit_step_cost(timeline: Timeline, step_tokens: list[int]) -> tuple[float, fl
 
 
 def predict_wall(steps: int, tokens: int, a: float, b: float, h: float, pipelined: bool,
-                 fixed_scale: float = 1.0) -> float:
+                 fixed_scale: float = 1.0, round_trip: float = 0.0) -> float:
     """The cost model's wall seconds: `steps` launches computing `tokens` tokens in all, each
     launch costing the device a * fixed_scale + b * its tokens and the host h; the blocking
-    loop adds the two, the pipelined one overlaps them (the chapter-08 exercise's reference)."""
+    loop adds the two (and each launch's round trip), the pipelined one overlaps them (the
+    chapter-08 exercise's reference; `round_trip` is the bench's addition)."""
     device = steps * a * fixed_scale + tokens * b  # fixed_scale: weight bytes, chapter 03
     host = steps * h
-    return max(host, device) if pipelined else host + device
+    return max(host, device) if pipelined else host + device + steps * round_trip
 
 
 def predicted_wall(setup: EngineSetup, counts: dict, a: float, b: float, h: float,
-                   fixed_scale: float = 1.0) -> float:
+                   fixed_scale: float = 1.0, round_trip: float = 0.0) -> float:
     """`predict_wall` for a setup's measured counts."""
     return predict_wall(counts["steps"], sum(counts["step_tokens"]), a, b, h,
-                        setup.decoder == "pipelined", fixed_scale)
+                        setup.decoder == "pipelined", fixed_scale, round_trip)
+
+
+def round_trip_s(timeline: Timeline) -> float:
+    """Seconds per launch of round trip on a pipelined timeline: the device's wait for a
+    command it could have started on (its last span ended before the host's launch did), and
+    the host's wait for tokens already copied; medians over the launches."""
+    host = {}
+    for s in timeline.lane("host"):
+        host.setdefault(s.step, {})[s.label] = s
+    first_dev, copied = {}, {}
+    for s in timeline.lane("compute"):
+        first_dev[s.step] = min(first_dev.get(s.step, s.t0), s.t0)
+    for s in timeline.lane("copy"):
+        copied[s.step] = s.t1
+    dev_ends = sorted(s.t1 for s in timeline.lane("compute"))
+    command, wake = [], []
+    for step, spans in host.items():
+        launch = next((spans[k] for k in ("decode", "mixed", "prefill") if k in spans), None)
+        if launch is not None and step in first_dev:
+            idle_since = max((t for t in dev_ends if t <= first_dev[step]), default=launch.t1)
+            if idle_since <= launch.t1:  # the device waited for this command
+                command.append(max(0.0, first_dev[step] - launch.t1))
+        wait = spans.get("wait")
+        if wait is not None and step in copied and wait.t0 <= copied[step]:
+            wake.append(max(0.0, wait.t1 - copied[step]))
+    med = statistics.median
+    return (med(command) if command else 0.0) + (med(wake) if wake else 0.0)
+
+
+def quant_step_ms(fp32_model, quant_model, rounds: int = 3, steps: int = 5) -> tuple[float, float]:
+    """(fp32 ms, quantized ms) of one batch-1 decode step, in alternating turns on one thread
+    (the simulated device's), for the launch's split into dispatch and weight bytes."""
+    from labkit.bench.quant import alternate, decode_step
+    from labkit.claims import torch_threads
+
+    with torch_threads(1), torch.inference_mode():
+        turns = alternate({"fp32": decode_step(fp32_model, 1),
+                           "quant": decode_step(quant_model, 1)}, rounds, steps)
+    return statistics.median(turns["fp32"]), statistics.median(turns["quant"])
 
 
 def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
@@ -144,19 +188,23 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
                 log(f"  round {rnd + 1}/{rounds} {name:<22} {r['tokens']} tokens in "
                     f"{r['wall_s']:.2f} s ({r['steps']} launches)")
                 runs[name].append(r)
-        quant_bytes = weight_bytes(engines["whole engine"].model)
-        fp32_bytes = weight_bytes(model)
+        quant_model = engines["whole engine"].model
+        quant_bytes, fp32_bytes = weight_bytes(quant_model), weight_bytes(model)
     finally:
         for e in engines.values():
             e.close()
     base = runs["whole engine"][0]
     a, b, h = fit_step_cost(base["timeline"], base["step_tokens"])
+    r_trip = round_trip_s(base["timeline"])
+    t_f = t_q = 0.0
+    if whole.quant:  # the launch's split: dispatch + bytes over the kernels' bandwidth
+        t_f, t_q = (t / 1e3 for t in quant_step_ms(model, quant_model))
     rows = []
     for name, setup in setups:
         got = runs[name]
         wall = statistics.median(r["wall_s"] for r in got)
-        scale = fp32_bytes / quant_bytes if setup.quant is None and whole.quant else 1.0
-        pred = predicted_wall(setup, got[0], a, b, h, scale)
+        scale = (a + max(t_f - t_q, 0.0)) / a if setup.quant is None and whole.quant and a else 1.0
+        pred = predicted_wall(setup, got[0], a, b, h, scale, r_trip)
         rows.append({"setup": name, "wall_s": wall, "tok_s": got[0]["tokens"] / wall,
                      "steps": got[0]["steps"], "tokens_computed": sum(got[0]["step_tokens"]),
                      "prefill_tokens_saved": got[0]["prefill_tokens_saved"],
@@ -168,7 +216,12 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
         r["measured_speedup"] = r["wall_s"] / w_meas
         r["predicted_speedup"] = r["predicted_wall_s"] / w_pred
         r["gain_share"] = gain_share(r["measured_speedup"], r["predicted_speedup"])
-    rows[0]["fit_ms"] = {"a": a * 1e3, "b": b * 1e3, "h": h * 1e3}
+    rows[0]["fit_ms"] = {"a": a * 1e3, "b": b * 1e3, "h": h * 1e3, "round_trip": r_trip * 1e3,
+                         "step_fp32": t_f * 1e3, "step_quant": t_q * 1e3}
+    if t_f > t_q:  # t = dispatch + bytes / bandwidth, solved from the two formats
+        bw = (fp32_bytes - quant_bytes) / (t_f - t_q)
+        rows[0]["fit_ms"]["dispatch"] = (t_q - quant_bytes / bw) * 1e3
+        rows[0]["fit_ms"]["bandwidth_gb_s"] = bw / 1e9
     return rows
 
 
@@ -204,7 +257,10 @@ def main(argv: list[str]) -> int:
         return 0
     f = rows[0]["fit_ms"]
     print(f"step cost fitted on the whole engine: a={f['a']:.2f} ms + b={f['b']:.3f} ms/token, "
-          f"host h={f['h']:.2f} ms/launch")
+          f"host h={f['h']:.2f} ms/launch, round trip r={f['round_trip']:.3f} ms/launch")
+    if "dispatch" in f:
+        print(f"a batch-1 step: fp32 {f['step_fp32']:.2f} ms, quantized {f['step_quant']:.2f} ms "
+              f"= dispatch {f['dispatch']:.2f} ms + bytes at {f['bandwidth_gb_s']:.1f} GB/s")
     print(f"{'setup':<24}{'wall s':>8}{'tok/s':>8}{'launch':>8}{'tokens':>8}{'saved':>7}"
           f"{'preempt':>8}{'measured':>10}{'predicted':>10}{'gain':>7}")
     for r in rows:
