@@ -345,7 +345,8 @@ class _Parsed(Exception):
 
 EVERY_COMMAND = [["generate"], ["roofline"], ["serve"], ["grade"], ["eval", "ppl"],
                  *(["bench", name] for name in
-                   ("generate", "decode", "serve", "paged", "step", "quant", "ablation"))]
+                   ("generate", "decode", "serve", "paged", "step", "quant", "ablation",
+                    "attention"))]
 
 
 @pytest.mark.parametrize("command", EVERY_COMMAND, ids=" ".join)

@@ -30,7 +30,6 @@ each (token, KV head) reading its own keys once, as their loops do (block_q = 1)
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import json
@@ -51,6 +50,7 @@ from labkit.attention import (
     flash_decode,
     naive_attention,
 )
+from labkit.cli_parser import command_parser
 from labkit.model import ModelConfig
 from labkit.paged_kv import PagedKVCache
 
@@ -378,11 +378,12 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str]) -> int:
     """Entry point of `python -m labkit bench attention`."""
-    p = argparse.ArgumentParser(prog="python -m labkit bench attention",
-                                description="naive vs flash (PyTorch tiles) vs torch SDPA: "
-                                            "time, peak memory, predicted bytes, error")
+    p = command_parser("python -m labkit bench attention",
+                       "naive vs flash (PyTorch tiles) vs torch SDPA, and the engine's "
+                       "backends: time, peak memory, predicted bytes, error")
     p.add_argument("--seq-lens", default=None,
-                   help=f"comma-separated S (default {','.join(map(str, SEQ_LENS))})")
+                   help=f"comma-separated S (none given: {','.join(map(str, SEQ_LENS))}; "
+                        f"--quick {','.join(map(str, QUICK_SEQ_LENS))})")
     p.add_argument("--quick", action="store_true",
                    help=f"S = {','.join(map(str, QUICK_SEQ_LENS))}, 3 turns, a small sweep")
     p.add_argument("--phases", default="prefill,decode", help="prefill, decode or both")
@@ -391,9 +392,9 @@ def main(argv: list[str]) -> int:
                         f"over a paged pool: {', '.join(BACKEND_IMPLS)}")
     p.add_argument("--repeats", type=int, default=5, help="timed turns per implementation")
     p.add_argument("--sweep-seq-len", type=int, default=None,
-                   help="S of the tile-size sweep (default 4096; --quick 1024); 0: no sweep")
+                   help="S of the tile-size sweep (none given: 4096, --quick 1024); 0: no sweep")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: with 2 threads on 2 shared cores, flash's "
+                   help="torch threads (1: with 2 threads on 2 shared cores, flash's "
                         "many small tile ops stall in the thread pool whenever another program "
                         "holds a core; measured at S=2048 under load: 307 ms at 1 thread, "
                         "1985 ms at 2)")
