@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from labkit.bench import cli as bench_cli
 from labkit.bench import generate as bench
@@ -179,3 +180,23 @@ def test_ablation_books_round_trips_from_the_timeline_and_only_in_the_blocking_l
     blocking = predict_wall(10, 50, 1.0, 0.1, 0.5, False, round_trip=0.2)
     assert blocking == pytest.approx(10 * 0.5 + 10 * 1.0 + 50 * 0.1 + 10 * 0.2)
     assert predict_wall(10, 50, 1.0, 0.1, 0.5, True, round_trip=0.2) == pytest.approx(15.0)
+
+
+def test_kernel_paths_name_the_kernel_each_op_runs_on_and_why_not():
+    from labkit.bench.paths import format_paths, kernel_paths
+    from labkit.kernels import cpu as cpu_kernels
+    from labkit.loading import load_model
+
+    model, _ = load_model("tiny", quant="int8")
+    paths = dict(kernel_paths(model, "flash"))
+    linear = next(v for k, v in paths.items() if k.startswith("linear"))
+    if cpu_kernels.kernels() is not None:
+        assert "labkit C++" in linear and "int8_linear" in linear
+        assert paths["attention"].endswith("flash_attention")
+    else:
+        assert "torch _weight_int8pack_mm" in linear and cpu_kernels.status() in linear
+    bf16, _ = load_model("tiny", dtype=torch.bfloat16)
+    paths = dict(kernel_paths(bf16, "paged"))
+    assert "labkit's C++ serves fp32 CPU" in paths["attention"]
+    assert "gather then torch SDPA" in paths["attention"]
+    assert "attention" in format_paths(kernel_paths(model, "naive"))

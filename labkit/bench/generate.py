@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from labkit.bench.paths import format_paths
 from labkit.bench.report import report_rows
 from labkit.cli_parser import add_engine_flags, command_parser, engine_kwargs
 from labkit.utils.progress import progress
@@ -238,6 +239,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
     from transformers.utils import logging as hf_logging
 
     import labkit
+    from labkit.bench.paths import kernel_paths
     from labkit.loading import load_model
 
     hf_logging.set_verbosity_error()  # generate() warns about its own defaults; not ours to fix
@@ -301,6 +303,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
         "same_tokens_as_hf": agree, "model": model, "quant": quant or "none",
         "decoder": decoder, "attention": attention, "torch": torch.__version__,
         "round1_ratio": round1["labkit"] / max(round1["grouped"], round1["padded"]),
+        "kernel_paths": kernel_paths(m, attention),
         "prompt_tokens": sum(len(ids) for ids, _ in work),
         "labkit_prompt_tokens_computed": computed,
     }
@@ -352,5 +355,6 @@ def main(argv: list[str]) -> int:
               f"prefix cache cold: it computed {res['labkit_prompt_tokens_computed']} of "
               f"{res['prompt_tokens']} prompt tokens per round (the chat template's pages "
               "shared between requests), transformers all of them")
+        print("labkit's kernels, op by op:\n" + format_paths(res["kernel_paths"]))
 
     return report_rows(measure, args.json, table)

@@ -160,7 +160,10 @@ def bench_step(model, batch: int, context: int, steps: int) -> dict:
     per["head"] = head
     per["other forward"] = max(0.0, per.pop("forward", 0.0) - inside - head)
     phases = {k: per.get(k, 0.0) * 1e3 for k in PHASES}
+    from labkit.bench.paths import kernel_paths
+
     return {"batch": batch, "context": context, "steps": steps,
+            "kernel_paths": kernel_paths(model, "paged"),  # the engine's default backend
             "engine_step_ms": statistics.median(engine_s) * 1e3,
             "bare_forward_ms": statistics.median(bare_s) * 1e3,
             "engine_over_forward": statistics.median(engine_s) / statistics.median(bare_s),
@@ -201,3 +204,6 @@ def _table(rows: list[dict]) -> None:
         print(f"{label:<24}" + "".join(f"{r[key]:>12.2f}" for r in rows))
     print(f"{'engine / forward':<24}" + "".join(f"{r['engine_over_forward']:>11.2f}x"
                                                for r in rows))
+    from labkit.bench.paths import format_paths
+
+    print("kernels each op ran on:\n" + format_paths(rows[0]["kernel_paths"]))

@@ -199,16 +199,28 @@ def kernels():
         return _state["module"]
 
 
+def status() -> str:
+    """Which build of labkit's kernels serves in this process, or why none does (for a
+    learner reading a benchmark from another CPU): "avx512bf16", "avx2", "generic", or the
+    reason, e.g. "off: LABKIT_CPU_KERNELS=0"."""
+    if kernels() is not None:
+        return str(_state.get("variant", "built"))
+    return str(_state.get("reason", "not built"))
+
+
 def _build():
     if os.environ.get("LABKIT_CPU_KERNELS", "1") == "0":
+        _state["reason"] = "off: LABKIT_CPU_KERNELS=0"
         return None
     if shutil.which("ninja") is None or shutil.which(os.environ.get("CXX", "c++")) is None:
+        _state["reason"] = "no C++ compiler or no ninja on PATH"
         return None
     flags = _flags()
     module = _build_with(flags)
     if module is None and "-mavx512bf16" in flags:  # an older compiler without AVX512-BF16
         module = _build_with([f for f in flags if not f.startswith("-mavx512")])
     if module is None:  # no working compiler: torch's kernels serve instead
+        _state["reason"] = "the build failed (its error is on stderr)"
         warnings.warn("labkit's CPU kernels did not build; using torch's kernels and the "
                       "gather-then-SDPA attention", stacklevel=3)
     return module
@@ -218,6 +230,7 @@ def _build_with(flags: list[str]):
     """The kernels built with these vector flags, from the cache or compiled now; None when
     the compiler fails."""
     variant = "avx512bf16" if "-mavx512bf16" in flags else "avx2" if flags else "generic"
+    _state["variant"] = variant
     try:
         return build_extension(f"labkit_kernels_{variant}", [HERE / s for s in SOURCES],
                                [*CFLAGS, *flags], ["-fopenmp"])

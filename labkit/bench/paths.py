@@ -1,0 +1,56 @@
+"""Which kernel each op of a model's step runs on, and why: so that a figure measured on
+another CPU can be explained (`bench step` and `bench generate` print it).
+
+labkit's C++ kernels (`labkit.kernels.cpu`) serve fp32 activations on a CPU where they built;
+elsewhere torch serves: its packed kernels for int8, the dequantize-then-matmul reference for
+labkit's int4 layouts, aten ops for the norms, RoPE and attention.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from labkit.kernels import cpu as cpu_kernels
+
+
+def kernel_paths(model, attention: str, device: str = "cpu") -> list[tuple[str, str]]:
+    """[(op, path)] for one step of `model` with the `attention` backend on `device`."""
+    from labkit.quant import QuantLinear
+
+    dtype = next(model.parameters()).dtype
+    on_cpu = device == "cpu" and dtype is torch.float32
+    built = cpu_kernels.kernels() if on_cpu else None
+    why = (cpu_kernels.status() if device == "cpu" and dtype is torch.float32
+           else f"{device} {str(dtype).removeprefix('torch.')}: labkit's C++ serves fp32 CPU")
+    labkit = f"labkit C++ ({cpu_kernels.status()})" if built is not None else None
+    linears: Counter[str] = Counter()
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            name = mod._labkit_kernel
+            if name is not None and labkit is not None:
+                linears[f"{labkit} {name}"] += 1
+            elif mod.scheme.bits == 8:
+                linears[f"torch _weight_int8pack_mm ({why})"] += 1
+            else:
+                linears[f"torch dequantize-then-matmul ({why})"] += 1
+        elif isinstance(mod, torch.nn.Linear):
+            linears["torch matmul (fp32 weights)"] += 1
+    out = [(f"linear x{n}", path) for path, n in sorted(linears.items())]
+    row_ops = labkit or f"torch aten ops ({why})"
+    out += [("rms_norm, rope, silu_mul", row_ops)]
+    if attention in ("paged", "flash"):
+        att = f"{labkit} {attention}_attention" if labkit else (
+            "Python tiles (FlashAttention.reference)" if attention == "flash"
+            else "gather then torch SDPA") + f" ({why})"
+    else:
+        att = "torch matmul and softmax (the naive reference)"
+    out.append(("attention", att))
+    return out
+
+
+def format_paths(paths: list[tuple[str, str]]) -> str:
+    """The paths as lines for a benchmark's output."""
+    width = max(len(op) for op, _ in paths)
+    return "\n".join(f"  {op:<{width}}  {path}" for op, path in paths)
