@@ -156,9 +156,17 @@ class AttentionBackend:
 
     meta_type: type[AttentionMeta] = AttentionMeta  # what the runner builds for each step
 
-    def __init__(self, store: KVStore):
+    def __init__(self, store: KVStore, cpu_kernel: bool = False):
         self.store = store
         self.meta: AttentionMeta | None = None
+        self.cpu_kernel = cpu_kernel  # a backend with a labkit C++ kernel may use it
+
+    def _in_place(self, q: torch.Tensor):
+        """labkit's CPU kernel module when it serves this call (fp32 pool, fp32 CPU q, no
+        torch mode on: `cpu_kernels.usable`), else None."""
+        if not (self.cpu_kernel and self.store.k.dtype == torch.float32):
+            return None
+        return cpu_kernels.usable(q)
 
     def begin_step(self, meta: AttentionMeta) -> None:
         """Set the metadata the next forward's layers will use."""
@@ -228,8 +236,7 @@ class PagedAttention(AttentionBackend):
     """
 
     def __init__(self, store: KVStore, cpu_kernel: bool = True):
-        super().__init__(store)
-        self.cpu_kernel = cpu_kernel  # False: always the gather and SDPA (for comparison)
+        super().__init__(store, cpu_kernel)  # False: always the gather and SDPA (to compare)
         # CPU: the gathered K and V land in buffers reused by every layer and step. A fresh
         # [B, L, Hkv, D] tensor per layer is a new mmap on each call (megabytes at batch 32),
         # and its page faults cost more than the copy itself (measured: 2x the gather's time)
@@ -287,12 +294,6 @@ class PagedAttention(AttentionBackend):
                 ~mask, float("-inf"))
             self._folded = (m, group, mask)
         return self._folded[2]
-
-    def _in_place(self, q: torch.Tensor):
-        """labkit's CPU attention kernel when it serves this call, else None."""
-        if not (self.cpu_kernel and self.store.k.dtype == torch.float32):
-            return None
-        return cpu_kernels.usable(q)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
@@ -491,9 +492,8 @@ class FlashAttention(AttentionBackend):
     meta_type = FlashMeta
 
     def __init__(self, store: KVStore, tile_tokens: int = 256, cpu_kernel: bool = True):
-        super().__init__(store)
+        super().__init__(store, cpu_kernel)  # False: always the Python tiles (to compare)
         self.tile_tokens = tile_tokens
-        self.cpu_kernel = cpu_kernel  # False: always the Python tiles (for comparison)
 
     def _tile(self, block_size: int) -> int:
         """Keys per tile: whole pages; a slice of one when a page is larger (the contiguous
@@ -501,12 +501,6 @@ class FlashAttention(AttentionBackend):
         if block_size <= self.tile_tokens:
             return self.tile_tokens // block_size * block_size
         return self.tile_tokens
-
-    def _in_place(self, q: torch.Tensor):
-        """labkit's CPU kernel when it serves this call (PagedAttention's rule), else None."""
-        if not (self.cpu_kernel and self.store.k.dtype == torch.float32):
-            return None
-        return cpu_kernels.usable(q)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
