@@ -263,6 +263,8 @@ class Engine:
                                    "with the same prompt and adapter")
         seq = Sequence(self._next_id, prompt_ids, params, max_new, adapter=adapter,
                        constraint=constraint, fork_of=parent)
+        if parent is not None:
+            parent.forks.append(seq)
         if constraint is not None:
             seq.constraint_state = constraint.start()
         if self.tokenizer is not None:

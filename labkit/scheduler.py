@@ -344,10 +344,10 @@ class Scheduler:
         self.waiting.popleft()
         self._run(seq)
         if self.fork_sharing and not seq.output_ids:
-            for f in list(self.waiting):  # its forks come in beside it while rows are free
-                if (f.fork_of is seq and not f.output_ids and len(self.running) <
-                        self.max_running and self.rows.num_free and
-                        (f.adapter is None or self.adapters.num_free)):
+            for f in seq.forks:  # its forks come in beside it while rows are free
+                if (f.status is Status.WAITING and not f.finalized and not f.output_ids
+                        and len(self.running) < self.max_running and self.rows.num_free
+                        and (f.adapter is None or self.adapters.num_free)):
                     self.waiting.remove(f)
                     self._run(f)
                     f.attached = True

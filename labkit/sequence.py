@@ -79,6 +79,7 @@ class Sequence:
     # parallel sampling: the sequence whose prompt this one shares (None: its own), and
     # whether it is admitted beside it, waiting to fork when that prompt's last chunk runs
     fork_of: Sequence | None = None
+    forks: list[Sequence] = field(default_factory=list)  # the sequences forked from this one
     attached: bool = False
 
     @property
