@@ -74,8 +74,9 @@ def test_bench_decode_json_rows_are_self_consistent():
         assert r["speedup"] == pytest.approx(r["blocking_ms"] / r["pipelined_ms"])
         assert r["t_host_ms"] + r["t_device_ms"] + r["t_other_ms"] == pytest.approx(
             r["blocking_ms"])
-        assert r["predicted_speedup"] == pytest.approx(
-            r["blocking_ms"] / max(r["t_host_ms"], r["t_device_ms"]))
+        chains = (r["t_device_ms"], r["t_host_ms"] + r["t_other_ms"] + r["t_sample_ms"],
+                  (r["t_host_ms"] + r["t_device_ms"]) / min(max(r["free_cores"], 1), 2))
+        assert r["predicted_speedup"] == pytest.approx(r["blocking_ms"] / max(chains))
         if r["predicted_speedup"] > 1 + 1e-9:
             assert r["gain_share"] == pytest.approx(
                 (r["speedup"] - 1) / (r["predicted_speedup"] - 1))
@@ -164,22 +165,28 @@ def test_the_benches_take_the_pool_and_the_step_budget(capsys):
     assert code == 0 and [r["streams"] for r in rows] == [4]
 
 
-def test_ablation_books_round_trips_from_the_timeline_and_only_in_the_blocking_loop():
-    from labkit.bench.ablation import predict_wall, round_trip_s
+def test_ablation_books_round_trips_from_a_blocking_timeline_on_the_hosts_chain():
+    from labkit.bench.ablation import blocking_round_trip_s, fit_step_cost, predict_wall
     from labkit.instruments.timeline import Timeline
 
     tl = Timeline()
     ms = 1e-3
-    for k in range(3):  # each step: launch ends, the idle device starts 0.1 ms later; the
-        t = k * 10 * ms  # copy ends and the waiting host sees it 0.05 ms later
-        tl.add("host", "decode", k, t, t + 0.2 * ms)
-        tl.add("compute", "forward", k, t + 0.3 * ms, t + 5 * ms)
-        tl.add("host", "wait", k, t + 0.4 * ms, t + 5.25 * ms)
-        tl.add("copy", "copy", k, t + 5.1 * ms, t + 5.2 * ms)
-    assert round_trip_s(tl) == pytest.approx(0.15 * ms)
+    for k in range(4):  # each blocking step of 10 ms: host 1 ms of work, device 2 + k ms
+        t = k * 10 * ms  # (two commands, a gap of dispatch between), the rest round trips
+        tl.add("host", "decode", k, t, t + 0.5 * ms)
+        tl.add("compute", "forward", k, t + 1 * ms, t + (2.5 + k) * ms)
+        tl.add("compute", "sample", k, t + (2.7 + k) * ms, t + (3 + k) * ms)
+        tl.add("host", "wait", k, t + 0.5 * ms, t + 9.5 * ms)
+        tl.add("host", "commit", k, t + 9.5 * ms, t + 10 * ms)
+    a, b, h = fit_step_cost(tl, [1, 2, 3, 4])  # device 2 + k ms for 1 + k tokens
+    assert (a, b, h) == pytest.approx((1 * ms, 1 * ms, 1 * ms))
+    wall = 40 * ms
+    assert blocking_round_trip_s(tl, wall) == pytest.approx((40 - 4 - 14) / 4 * ms)
     blocking = predict_wall(10, 50, 1.0, 0.1, 0.5, False, round_trip=0.2)
     assert blocking == pytest.approx(10 * 0.5 + 10 * 1.0 + 50 * 0.1 + 10 * 0.2)
+    # pipelined: the round trip joins the host's chain, which overlaps the device's work
     assert predict_wall(10, 50, 1.0, 0.1, 0.5, True, round_trip=0.2) == pytest.approx(15.0)
+    assert predict_wall(10, 50, 1.0, 0.1, 1.4, True, round_trip=0.2) == pytest.approx(16.0)
 
 
 def test_kernel_paths_name_the_kernel_each_op_runs_on_and_why_not():

@@ -7,26 +7,34 @@ once. The setups take turns (`--rounds R`, the order reversed every other round)
 simulated accelerator (`device="process"`, so that the pipelined decoder has a device to
 overlap), and each row reports the median wall time over rounds.
 
-Each row also carries the **prediction** of the chapters' cost models, built from two things:
+Each row also carries the **prediction** of the chapters' cost models. Its terms are measured
+on the whole engine's blocking twin (the `- pipelined decoder` row), where nothing overlaps and
+each is seen alone, by the chapter that introduced it:
 
-- the step cost measured on the whole engine's timeline, fitted as `t_device = a + b * tokens`
-  (a: reading the weights once per launch, chapter 01; b: each token's compute), and the host's
-  own work per step `h` (chapter 06);
-- the counts each setup's scheduler produced: launches S and tokens computed N (chapters 02
-  and 05: static batching and max-length reservation make more launches, prefix sharing fewer
-  tokens).
+- the device's time per launch, fitted as `a + b * tokens` (a: reading the weights once per
+  launch, chapter 01; b: each token's compute);
+- the host's own work per launch `h` (chapter 06), the round trip `r` per launch: the
+  blocking run's wall less the host's work and the device's (chapter 06's T_other), and the
+  device's sample time `s` per launch (from its sample command's arrival to its tokens);
+- with quantization off, fp32's extra cost per launch (bytes, chapter 03) and per token
+  (arithmetic), from one step of 1 row and one of a chunk's rows in each format.
 
-Predicted wall: `S*(h + r) + S*a' + N*b` for the blocking loop, `max(S*h, S*a' + N*b)` for
-the pipelined one (chapter 07), where r is the round trip per launch (command and copy, measured
-on the whole engine's timeline: what the pipelined loop hides besides the host's work), and
-`a' = a` except with quantization off. There the launch's fixed cost splits into dispatch and
-weight bytes over the bandwidth the kernels reach (chapter 03), measured by one batch-1 step of
-each format, t_q and t_fp32: `a' = a + (t_fp32 - t_q)`. Where a launch is mostly dispatch (the
-tiny model), int8 is predicted to buy little; where it is mostly bytes (SmolLM2), a lot. Flash
-attention is predicted to change nothing at these context lengths (chapter 04: it saves memory,
-a decode row's scores are one row, and on a CPU both backends are labkit's C++). A feature's
-predicted speedup is the ablated setup's predicted wall over the whole engine's; its measured
-speedup the same ratio of measured walls; `gain_share` holds one against the other.
+Every setup's own counts then give its prediction: launches S and tokens computed N (static
+batching and max-length reservation make more launches, chapters 02 and 05; preemption
+recomputes tokens; prefix sharing computes fewer; chunking changes how they are cut).
+
+Predicted wall: `S*(h + r) + S*a + N*b` for the blocking loop, and for the pipelined one
+(chapter 07) the longest of three chains: the device's `S*a + N*b`; the host's `S*(h + r + s)`,
+its work, the round trip and the device's sample time s (the host commits step t only after
+its tokens arrive, the device samples t+1 only after the command built from that commit does);
+and `(S*h + S*a + N*b) / cores`, both works over the cores free for them (overlap needs a core
+for each side). Where a launch is
+mostly dispatch (the tiny model), int8 is predicted to buy little; where it is mostly bytes
+(SmolLM2), a lot. Flash attention is predicted to change nothing at these context lengths
+(chapter 04: it saves memory, a decode row's scores are one row, and on a CPU both backends are
+labkit's C++). A feature's predicted speedup is the ablated setup's predicted wall over the
+whole engine's; its measured speedup is the median over rounds of the same ratio of walls
+measured in one round (`ratios`); `gain_share` holds one against the other.
 """
 
 from __future__ import annotations
@@ -37,10 +45,13 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
-from labkit.bench.decode import gain_share
+from labkit import claims
+from labkit.bench.decode import free_cores, gain_share, sample_ms_per_step
+from labkit.claims import Estimate
 from labkit.cli_parser import command_parser
 from labkit.decoders import run
 from labkit.instruments.timeline import Timeline
@@ -70,10 +81,12 @@ def run_setup(engine, decoder: str, work: list[tuple[list[int], int]]) -> dict:
 
     engine.stats.reset()
     ids = [engine.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in work]
+    start = claims.cpu_seconds()
     with Timeline.record(engine) as tl:
         t0 = time.perf_counter()
         run(engine, decoder)
         wall = time.perf_counter() - t0
+    busy = claims.busy_elsewhere(start)
     engine.check_all_released()
     tokens = sum(len(engine.seqs[r].output_ids) for r in ids)
     for r in ids:
@@ -81,20 +94,33 @@ def run_setup(engine, decoder: str, work: list[tuple[list[int], int]]) -> dict:
     s = engine.stats
     return {"wall_s": wall, "tokens": tokens, "steps": s.steps, "step_tokens": list(s.step_tokens),
             "prefill_tokens_saved": s.prefill_tokens_saved, "preemptions": s.preemptions,
-            "padding_rows": s.padding_rows, "peak_running": s.peak_running, "timeline": tl}
+            "padding_rows": s.padding_rows, "peak_running": s.peak_running, "timeline": tl,
+            "busy": busy}
+
+
+def launch_envelopes(timeline: Timeline) -> dict[int, float]:
+    """Device seconds per launch: from the start of its first command on the device to the
+    end of its last (the device runs a launch's commands back to back; the gaps between them
+    are its own dispatch, chapter 06's T_device, not a round trip)."""
+    spans: dict[int, tuple[float, float]] = {}
+    for s in timeline.lane("compute"):
+        t0, t1 = spans.get(s.step, (s.t0, s.t1))
+        spans[s.step] = (min(t0, s.t0), max(t1, s.t1))
+    return {k: t1 - t0 for k, (t0, t1) in sorted(spans.items())}
+
+
+def host_work_s(timeline: Timeline) -> float:
+    """The host's own work in a run: its spans but the waits."""
+    return sum(s.duration for s in timeline.lane("host") if s.label != "wait")
 
 
 def fit_step_cost(timeline: Timeline, step_tokens: list[int]) -> tuple[float, float, float]:
     """(a, b, h) in seconds: device time per launch = a + b * tokens (least squares over the
-    run's launches), and the host's own work per launch h (its spans but the waits)."""
-    steps = sorted({s.step for s in timeline.lane("compute")})
-    device = {k: 0.0 for k in steps}
-    for s in timeline.lane("compute"):
-        device[s.step] += s.duration
-    host = sum(s.duration for s in timeline.lane("host") if s.label != "wait")
-    xs = step_tokens[-len(steps):] if len(step_tokens) >= len(steps) else []
-    ys = [device[k] for k in steps]
-    h = host / max(len(steps), 1)
+    run's launches, each launch's envelope), and the host's own work per launch h."""
+    device = launch_envelopes(timeline)
+    xs = step_tokens[-len(device):] if len(step_tokens) >= len(device) else []
+    ys = list(device.values())
+    h = host_work_s(timeline) / max(len(device), 1)
     if len(xs) != len(ys) or len(set(xs)) < 2:  # nothing to fit a slope on: all fixed cost
         return statistics.fmean(ys), 0.0, h
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -103,126 +129,168 @@ def fit_step_cost(timeline: Timeline, step_tokens: list[int]) -> tuple[float, fl
     return max(my - b * mx, 0.0), b, h
 
 
+def blocking_round_trip_s(timeline: Timeline, wall_s: float) -> float:
+    """T_other per launch of a *blocking* run (chapter 06): the run's wall time less the
+    host's own work and the device's, per launch. Nothing overlaps in the blocking loop, so
+    what is left is the round trips between the two: a command reaching the device, tokens
+    reaching the host."""
+    device = launch_envelopes(timeline)
+    rest = wall_s - host_work_s(timeline) - sum(device.values())
+    return max(0.0, rest / max(len(device), 1))
+
+
 def predict_wall(steps: int, tokens: int, a: float, b: float, h: float, pipelined: bool,
-                 fixed_scale: float = 1.0, round_trip: float = 0.0) -> float:
+                 fixed_scale: float = 1.0, round_trip: float = 0.0, cores: float = 2.0,
+                 sample: float = 0.0) -> float:
     """The cost model's wall seconds: `steps` launches computing `tokens` tokens in all, each
     launch costing the device a * fixed_scale + b * its tokens and the host h; the blocking
     loop adds the two (and each launch's round trip), the pipelined one overlaps them (the
-    chapter-08 exercise's reference; `round_trip` is the bench's addition)."""
+    chapter-08 exercise's reference; `round_trip` is the bench's addition).
+
+    Where a round trip sits on the pipelined loop's critical path: on the host's side. The
+    host commits step t only once step t's tokens have reached it, and the device samples
+    step t+1 (forward first, then sample) only once the host's sample command, built from that
+    commit, has reached it; so per launch the host's chain is its own work, the round trip and
+    the device's `sample` time, and that chain overlaps the device's work. Overlap needs a
+    core for each side: with `cores` free for the two (1 when another program keeps one of two
+    busy), their work shares them.
+    """
     device = steps * a * fixed_scale + tokens * b  # fixed_scale: weight bytes, chapter 03
-    host = steps * h
-    return max(host, device) if pipelined else host + device + steps * round_trip
+    host = steps * (h + round_trip + (sample if pipelined else 0.0))
+    if pipelined:
+        return max(host, device, (steps * h + device) / min(max(cores, 1.0), 2.0))
+    return host + device
 
 
-def predicted_wall(setup: EngineSetup, counts: dict, a: float, b: float, h: float,
-                   fixed_scale: float = 1.0, round_trip: float = 0.0) -> float:
-    """`predict_wall` for a setup's measured counts."""
-    return predict_wall(counts["steps"], sum(counts["step_tokens"]), a, b, h,
-                        setup.decoder == "pipelined", fixed_scale, round_trip)
-
-
-def round_trip_s(timeline: Timeline) -> float:
-    """Seconds per launch of round trip on a pipelined timeline: the device's wait for a
-    command it could have started on (its last span ended before the host's launch did), and
-    the host's wait for tokens already copied; medians over the launches."""
-    host = {}
-    for s in timeline.lane("host"):
-        host.setdefault(s.step, {})[s.label] = s
-    first_dev, copied = {}, {}
-    for s in timeline.lane("compute"):
-        first_dev[s.step] = min(first_dev.get(s.step, s.t0), s.t0)
-    for s in timeline.lane("copy"):
-        copied[s.step] = s.t1
-    dev_ends = sorted(s.t1 for s in timeline.lane("compute"))
-    command, wake = [], []
-    for step, spans in host.items():
-        launch = next((spans[k] for k in ("decode", "mixed", "prefill") if k in spans), None)
-        if launch is not None and step in first_dev:
-            idle_since = max((t for t in dev_ends if t <= first_dev[step]), default=launch.t1)
-            if idle_since <= launch.t1:  # the device waited for this command
-                command.append(max(0.0, first_dev[step] - launch.t1))
-        wait = spans.get("wait")
-        if wait is not None and step in copied and wait.t0 <= copied[step]:
-            wake.append(max(0.0, wait.t1 - copied[step]))
-    med = statistics.median
-    return (med(command) if command else 0.0) + (med(wake) if wake else 0.0)
-
-
-def quant_step_ms(fp32_model, quant_model, rounds: int = 3, steps: int = 5) -> tuple[float, float]:
-    """(fp32 ms, quantized ms) of one batch-1 decode step, in alternating turns on one thread
-    (the simulated device's), for the launch's split into dispatch and weight bytes."""
+def quant_step_split(fp32_model, quant_model, tokens: int = 64, rounds: int = 3,
+                     steps: int = 5) -> tuple[float, float, float, float]:
+    """(extra seconds per launch, extra seconds per token) that fp32 weights cost over the
+    quantized ones: one decode step of 1 row and one of `tokens` rows in each format, in
+    alternating turns on one thread (the simulated device's), fitted as a line. The per-launch
+    part is the weights' extra bytes over the bandwidth the kernels reach (chapter 03); the
+    per-token part is what the two formats' arithmetic costs each row (at a prefill chunk's
+    rows, fp32's matmul can beat a quantized kernel that converts every weight it reads)."""
     from labkit.bench.quant import alternate, decode_step
     from labkit.claims import torch_threads
 
     with torch_threads(1), torch.inference_mode():
-        turns = alternate({"fp32": decode_step(fp32_model, 1),
-                           "quant": decode_step(quant_model, 1)}, rounds, steps)
-    return statistics.median(turns["fp32"]), statistics.median(turns["quant"])
+        turns = alternate({("fp32", 1): decode_step(fp32_model, 1),
+                           ("quant", 1): decode_step(quant_model, 1),
+                           ("fp32", tokens): decode_step(fp32_model, tokens),
+                           ("quant", tokens): decode_step(quant_model, tokens)}, rounds, steps)
+    t = {k: statistics.median(v) / 1e3 for k, v in turns.items()}
+    d1, dn = t["fp32", 1] - t["quant", 1], t["fp32", tokens] - t["quant", tokens]
+    per_token = (dn - d1) / (tokens - 1)
+    return d1 - per_token, per_token, t["fp32", 1], t["quant", 1]
 
 
 def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
                    quick: bool = True, quant: str = "int8", max_seqs: int = 4,
                    device: str = "process", log=print) -> list[dict]:
-    """One row per setup: the whole engine first, then each feature off; medians over rounds."""
+    """One row per setup: the whole engine first, then each feature off; medians over rounds.
+
+    The cost model's terms come from the whole engine's blocking twin (the `- pipelined
+    decoder` row), where nothing overlaps and each term is seen alone: the device's time per
+    launch (a + b * tokens), the host's own work h, and the rest, the round trip r. Every row
+    is then predicted from its own counts with those terms; its measured speedup is the median
+    over rounds of its wall over the whole engine's in the same round (`ratios`).
+    """
     from labkit.loading import load_model
 
     model, tok = load_model(model_name)
     whole = EngineSetup.whole(quant=None if quant in (None, "none") else quant)
     whole = dataclasses.replace(whole, max_step_tokens=64)  # below the prompts: chunks happen
     setups = [("whole engine", whole)] + [(f"- {f}", whole.without(f)) for f in FEATURES]
+    twin = "- pipelined decoder"
     work = ablation_workload(requests, model.cfg.vocab_size, quick)
     # a pool that holds every request's pages as they grow, but not every maximum at once
     need = [len(p) + n for p, n in work]
     kv_tokens = max(sum(sorted(need)[-max_seqs:]) * 2 // 3, max(need) + 64)
     engines = {}
-    for name, setup in setups:
-        engines[name] = setup.build(model, tok, kv_tokens=kv_tokens, max_seqs=max_seqs,
-                                    device=device)
-        run_setup(engines[name], setup.decoder, work[:2])  # warm-up
     runs: dict[str, list[dict]] = {name: [] for name, _ in setups}
     try:
+        for name, setup in setups:
+            engines[name] = setup.build(model, tok, kv_tokens=kv_tokens, max_seqs=max_seqs,
+                                        device=device)
+            run_setup(engines[name], setup.decoder, work[:2])  # warm-up
         for rnd in range(rounds):
             order = setups if rnd % 2 == 0 else setups[::-1]
             for name, setup in order:
                 r = run_setup(engines[name], setup.decoder, work)
                 log(f"  round {rnd + 1}/{rounds} {name:<22} {r['tokens']} tokens in "
                     f"{r['wall_s']:.2f} s ({r['steps']} launches)")
+                tl = r.pop("timeline")
+                if name == twin:  # the cost model's terms, seen one at a time
+                    sample = sample_ms_per_step(tl, 0, ("decode", "mixed", "prefill")) / 1e3
+                    r["fit"] = (*fit_step_cost(tl, r["step_tokens"]),
+                                blocking_round_trip_s(tl, r["wall_s"]), sample)
                 runs[name].append(r)
         quant_model = engines["whole engine"].model
         quant_bytes, fp32_bytes = weight_bytes(quant_model), weight_bytes(model)
     finally:
         for e in engines.values():
             e.close()
-    base = runs["whole engine"][0]
-    a, b, h = fit_step_cost(base["timeline"], base["step_tokens"])
-    r_trip = round_trip_s(base["timeline"])
-    t_f = t_q = 0.0
-    if whole.quant:  # the launch's split: dispatch + bytes over the kernels' bandwidth
-        t_f, t_q = (t / 1e3 for t in quant_step_ms(model, quant_model))
+    a, b, h, r_trip, sample = (statistics.median(r["fit"][i] for r in runs[twin])
+                               for i in range(5))
+    busy = statistics.median(r["busy"] for got in runs.values() for r in got)
+    cores = free_cores(busy)
+    extra_a = extra_b = t_f = t_q = 0.0
+    if whole.quant:  # fp32's extra cost: bytes per launch, arithmetic per token
+        extra_a, extra_b, t_f, t_q = quant_step_split(model, quant_model, whole.max_step_tokens)
     rows = []
     for name, setup in setups:
         got = runs[name]
         wall = statistics.median(r["wall_s"] for r in got)
-        scale = (a + max(t_f - t_q, 0.0)) / a if setup.quant is None and whole.quant and a else 1.0
-        pred = predicted_wall(setup, got[0], a, b, h, scale, r_trip)
+        fp32 = setup.quant is None and whole.quant is not None
+        pred = predict_wall(got[0]["steps"], sum(got[0]["step_tokens"]),
+                            a + (extra_a if fp32 else 0.0), max(b + (extra_b if fp32 else 0.0),
+                                                                0.0),
+                            h, setup.decoder == "pipelined", 1.0, r_trip, cores, sample)
         rows.append({"setup": name, "wall_s": wall, "tok_s": got[0]["tokens"] / wall,
                      "steps": got[0]["steps"], "tokens_computed": sum(got[0]["step_tokens"]),
                      "prefill_tokens_saved": got[0]["prefill_tokens_saved"],
                      "preemptions": got[0]["preemptions"], "peak_running":
                      got[0]["peak_running"], "predicted_wall_s": pred,
                      "walls_s": [r["wall_s"] for r in got]})
-    w_meas, w_pred = rows[0]["wall_s"], rows[0]["predicted_wall_s"]
+    w_pred = rows[0]["predicted_wall_s"]
     for r in rows:  # what the feature gave: the ablated setup's time over the whole engine's
-        r["measured_speedup"] = r["wall_s"] / w_meas
+        r["ratios"] = [w / base for w, base in zip(r["walls_s"], rows[0]["walls_s"])]
+        r["measured_speedup"] = statistics.median(r["ratios"])
         r["predicted_speedup"] = r["predicted_wall_s"] / w_pred
         r["gain_share"] = gain_share(r["measured_speedup"], r["predicted_speedup"])
+    rows[0]["busy"], rows[0]["free_cores"] = busy, cores
     rows[0]["fit_ms"] = {"a": a * 1e3, "b": b * 1e3, "h": h * 1e3, "round_trip": r_trip * 1e3,
+                         "sample": sample * 1e3,
+                         "fp32_extra_a": extra_a * 1e3, "fp32_extra_b": extra_b * 1e3,
                          "step_fp32": t_f * 1e3, "step_quant": t_q * 1e3}
     if t_f > t_q:  # t = dispatch + bytes / bandwidth, solved from the two formats
         bw = (fp32_bytes - quant_bytes) / (t_f - t_q)
         rows[0]["fit_ms"]["dispatch"] = (t_q - quant_bytes / bw) * 1e3
         rows[0]["fit_ms"]["bandwidth_gb_s"] = bw / 1e9
     return rows
+
+
+def row_estimates(run: Callable[[], list[dict]]) -> tuple[list[dict], dict[str, Estimate]]:
+    """Run the ablation (`run()` returns `bench_ablation`'s rows), and hold each row to its
+    prediction: (rows, {setup: estimate}), each estimate the row's measured speedup over its
+    predicted one, one sample per round, that `claims.hold` can measure again. A re-measure
+    runs the whole ablation once more, and every row's next re-measure shares that run."""
+    runs: list[tuple[list[dict], float]] = []
+
+    def nth(k: int) -> tuple[list[dict], float]:
+        while len(runs) <= k:
+            rows = run()
+            runs.append((rows, rows[0]["busy"]))
+        return runs[k]
+
+    def estimate(name: str, k: int) -> Estimate:
+        rows, busy = nth(k)
+        r = next(r for r in rows if r["setup"] == name)
+        return Estimate(tuple(x / r["predicted_speedup"] for x in r["ratios"]), busy=busy,
+                        remeasure=lambda: estimate(name, k + 1))
+
+    rows, _ = nth(0)
+    return rows, {r["setup"]: estimate(r["setup"], 0) for r in rows[1:]}
 
 
 def _log(line: str) -> None:
@@ -256,11 +324,15 @@ def main(argv: list[str]) -> int:
             print(json.dumps(r))
         return 0
     f = rows[0]["fit_ms"]
-    print(f"step cost fitted on the whole engine: a={f['a']:.2f} ms + b={f['b']:.3f} ms/token, "
-          f"host h={f['h']:.2f} ms/launch, round trip r={f['round_trip']:.3f} ms/launch")
+    print(f"terms measured on the blocking twin: device a={f['a']:.2f} ms + b={f['b']:.3f} "
+          f"ms/token, host h={f['h']:.2f} ms/launch, round trip r={f['round_trip']:.3f} ms/launch, "
+          f"sample s={f['sample']:.3f} ms/launch")
+    print(f"other programs kept {rows[0]['busy']:.1f} cores busy: {rows[0]['free_cores']:.1f} "
+          "free for the host and the device")
     if "dispatch" in f:
         print(f"a batch-1 step: fp32 {f['step_fp32']:.2f} ms, quantized {f['step_quant']:.2f} ms "
-              f"= dispatch {f['dispatch']:.2f} ms + bytes at {f['bandwidth_gb_s']:.1f} GB/s")
+              f"= dispatch {f['dispatch']:.2f} ms + bytes at {f['bandwidth_gb_s']:.1f} GB/s; "
+              f"fp32 costs {f['fp32_extra_a']:+.2f} ms/launch {f['fp32_extra_b']:+.4f} ms/token")
     print(f"{'setup':<24}{'wall s':>8}{'tok/s':>8}{'launch':>8}{'tokens':>8}{'saved':>7}"
           f"{'preempt':>8}{'measured':>10}{'predicted':>10}{'gain':>7}")
     for r in rows:

@@ -11,17 +11,24 @@ speed within seconds: two runs a second apart can differ by more than the pipeli
 From the blocking turn of each pair come the terms of the cost model, each booked where it is
 spent: T_host (the host's own work per step: plan, launch, sample launch, commit, from its
 spans), T_device (the device's forward and sample, from its spans) and T_other (the rest of the
-blocking step: the round trips between them, command, wake-up, copy). The pipeline can at best
-turn the whole blocking step into `max(T_host, T_device)`:
+blocking step: the round trips between them, command, wake-up, copy). The pipeline turns the
+whole blocking step into the longest of three chains: the device's work; the host's work plus
+one round trip (the host commits step t only once its tokens have arrived, and the device
+samples step t+1 only once the command built from that commit has arrived: the round trip sits
+on the host's side); and both works over the cores free for them (overlap needs a core for each
+side; another program holding one of two cores leaves one for both):
 
-    predicted speedup = (T_host + T_device + T_other) / max(T_host, T_device)
+    predicted speedup = (T_host + T_device + T_other)
+                        / max(T_device, T_host + T_other, (T_host + T_device) / cores)
     gain share        = (speedup - 1) / (predicted - 1)
 
-The time the pipeline can save per step is `min(T_host, T_device) + T_other`: the shorter of
-the two kinds of work, now overlapped with the longer, and the round trips, now hidden behind
-the device's next step. `hidden: host | trips` splits that saving between the two: on a GPU
-(and on the simulated device, whose round trip is GPU-like) the saving is mostly the host's
-bookkeeping, as in Photon; a device with slow round trips would show them instead.
+Chapter 06's best case, `max(T_host, T_device)`, hides the round trips too; it is the same
+whenever the device's work is the longest chain, as on a GPU and here. The time the pipeline can
+save per step is then `min(T_host, T_device) + T_other`: the shorter of the two kinds of work,
+now overlapped with the longer, and the round trips, now behind the device's next step. `hidden:
+host | trips` splits that saving between the two: on a GPU (and on the simulated device, whose
+round trip is GPU-like) the saving is mostly the host's bookkeeping, as in Photon; a device with
+slow round trips would show them instead.
 
 The gain share is how much of the predicted gain the pipeline delivered. The zombie tax
 is the share of decode rows a whole pipelined run spent on sequences that had already finished
@@ -32,12 +39,14 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
 
 import torch
 
+from labkit import claims
 from labkit.cli_parser import add_engine_flags, command_parser, engine_kwargs
 from labkit.decoders import run
 from labkit.utils.progress import progress
@@ -53,10 +62,20 @@ PROMPTS = ["Name three uses of a paperclip.", "Why is the sky blue?", "Describe 
            "Suggest a name for a cat.", "How do birds navigate?"]
 
 
-def predicted_speedup(t_host: float, t_device: float, t_other: float = 0.0) -> float:
-    """The cost model: a blocking step costs T_host + T_device (+ the round trips between
-    them, T_other), a pipelined one at best the larger of T_host and T_device."""
-    return (t_host + t_device + t_other) / max(t_host, t_device)
+def predicted_speedup(t_host: float, t_device: float, t_other: float = 0.0,
+                      cores: float = 2.0, t_sample: float = 0.0) -> float:
+    """The cost model: a blocking step costs T_host + T_device + T_other (the round trips
+    between them); a pipelined step costs the longest of three chains. The device's work,
+    T_device. The host's: its own work, one round trip and the sample, T_host + T_other +
+    T_sample: the host commits step t only once step t's tokens have reached it, and the
+    device samples step t+1 (forward first, then sample) only once the command built from
+    that commit has reached it, so the round trip and the sample (`t_sample`, the device's
+    time from that command's arrival to its tokens) sit on the host's side of the loop.
+    Chapter 06's best case, max(T_host, T_device), hides both. And both works over the cores
+    free for them: overlap needs a core for each side."""
+    period = max(t_device, t_host + t_other + t_sample,
+                 (t_host + t_device) / min(max(cores, 1.0), 2.0))
+    return (t_host + t_device + t_other) / period
 
 
 def hidden_shares(t_host: float, t_device: float, t_other: float) -> tuple[float, float]:
@@ -69,14 +88,27 @@ def hidden_shares(t_host: float, t_device: float, t_other: float) -> tuple[float
 
 
 def pair_bound(pair: dict) -> float:
-    """The cost model's bound for one pair of turns: the blocking step over the longer of the
-    host's work (blocking turn) and the device's work per step as the *pipelined* turn measured
-    it. On a busy machine the OS treats a device that sleeps between steps (blocking)
-    differently from one that never does (pipelined): the same forward measured 4.4 ms a step
-    in a blocking turn and 3.6 ms in the pipelined turn beside it. Perfect overlap cannot beat
-    the pipelined device's own time per step, so a speedup above this bound means the spans
-    were measured wrong."""
-    return pair["blocking_ms"] / max(pair["t_host_ms"], pair["pipelined_device_ms"])
+    """The cost model's speedup for one pair of turns (`predicted_speedup`), from the blocking
+    turn's T_host and T_other, the device's work per step as the *pipelined* turn measured it,
+    and the cores free during the pair (`free_cores`, 1 to 2: when another program keeps one
+    of two cores busy, the host's work and the device's share the other, and no loop overlaps
+    them).
+
+    On a busy machine the OS treats a device that sleeps between steps (blocking) differently
+    from one that never does (pipelined): the same forward measured 4.4 ms a step in a blocking
+    turn and 3.6 ms in the pipelined turn beside it. No overlap beats the pipelined device's own
+    time per step, so that is the device time the pipelined loop is held to."""
+    host, device = pair["t_host_ms"], pair["pipelined_device_ms"]
+    other = max(pair["blocking_ms"] - host - pair["t_device_ms"], 0.0)
+    cores = min(max(pair.get("free_cores", 2.0), 1.0), 2.0)
+    chain = host + other + pair.get("t_sample_ms", 0.0)
+    return pair["blocking_ms"] / max(device, chain, (host + device) / cores)
+
+
+def free_cores(busy_elsewhere: float) -> float:
+    """Cores left for the host and the device while other programs kept `busy_elsewhere`
+    busy (at least 1)."""
+    return max(1.0, (os.cpu_count() or 1) - busy_elsewhere)
 
 
 def gain_share(speedup: float, predicted: float) -> float:
@@ -198,6 +230,27 @@ def steady_ms_per_step(timeline, skip: int = 2, envelope: bool = True
     return (launches[-1] - launches[0]) / n * 1e3, t_host * 1e3, t_device * 1e3
 
 
+def sample_ms_per_step(timeline, skip: int = 2, launches: tuple[str, ...] = ("decode",)
+                       ) -> float:
+    """The device's time per step (of the host's `launches`, after the first `skip`) from the
+    arrival of the step's last command (its sample, launched after the host's commit) to the
+    end of the sample: the part of the device's work on the host's side of the pipelined
+    loop. 0 if the device records no sample span (its sample is not a separate command)."""
+    steps = [s.step for s in timeline.lane("host") if s.label in launches][skip:]
+    by_step: dict[int, list] = {}
+    for s in timeline.lane("compute"):
+        by_step.setdefault(s.step, []).append(s)
+    chains = []
+    for step in steps:
+        spans = sorted(by_step.get(step, []), key=lambda s: s.t0)
+        sample = [s for s in spans if s.label == "sample"]
+        if not sample:
+            continue
+        recv = [s for s in spans if s.label == "recv" and s.t0 <= sample[-1].t0]
+        chains.append(sample[-1].t1 - (recv[-1].t0 if recv else sample[-1].t0))
+    return statistics.fmean(chains) * 1e3 if chains else 0.0
+
+
 def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: int,
                     blocking_first: bool, constraint=None) -> list[dict]:
     """One workload, decoded by the two loops taking turns every `segment` steps.
@@ -210,25 +263,33 @@ def paired_segments(engine, prompt_ids: list[list[int]], tokens: int, segment: i
 
     ids = submit_workload(engine, prompt_ids, tokens, constraint)
     order = ("blocking", "pipelined") if blocking_first else ("pipelined", "blocking")
-    turns: list[tuple[str, tuple[float, float] | None]] = []
+    turns: list[tuple[str, tuple[float, float, float] | None, float]] = []
+    busy = []  # cores other programs kept busy during each turn
     while not engine.scheduler.idle():
         decoder = order[len(turns) % 2]
+        start = claims.cpu_seconds()
         with Timeline.record(engine) as tl:
             run(engine, decoder, max_steps=segment)
-        turns.append((decoder, steady_ms_per_step(tl, envelope=decoder == "blocking")))
+        busy.append(claims.busy_elsewhere(start))
+        turns.append((decoder, steady_ms_per_step(tl, envelope=decoder == "blocking"),
+                      sample_ms_per_step(tl)))
     engine.check_all_released()
     for rid in ids:
         engine.forget(rid)
     pairs = []
-    for (first, a), (_, b) in zip(turns[::2], turns[1::2]):
+    for k, ((first, a, sample_a), (_, b, sample_b)) in enumerate(zip(turns[::2], turns[1::2])):
         if a is None or b is None:  # a turn too short to time (the workload's last)
             continue
+        pair_busy = (busy[2 * k] + busy[2 * k + 1]) / 2
         blocking, pipelined = (a, b) if first == "blocking" else (b, a)
+        t_sample = sample_a if first == "blocking" else sample_b
         # the cost model's terms come from the blocking turn: the host's own work, the
         # device's, and the rest (round trips: command, wake-up, copy)
         pairs.append({"blocking_ms": blocking[0], "pipelined_ms": pipelined[0],
                       "t_host_ms": blocking[1], "t_device_ms": blocking[2],
-                      "pipelined_host_ms": pipelined[1], "pipelined_device_ms": pipelined[2]})
+                      "pipelined_host_ms": pipelined[1], "pipelined_device_ms": pipelined[2],
+                      "t_sample_ms": t_sample, "busy": pair_busy,
+                      "free_cores": free_cores(pair_busy)})
     return pairs
 
 
@@ -271,7 +332,9 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
     blocking, pipelined = mean("blocking_ms"), mean("pipelined_ms")
     t_host, t_device = mean("t_host_ms"), mean("t_device_ms")
     t_other = blocking - t_host - t_device
-    predicted = predicted_speedup(t_host, t_device, t_other)
+    cores = statistics.fmean(p["free_cores"] for p in pairs)
+    t_sample = mean("t_sample_ms")
+    predicted = predicted_speedup(t_host, t_device, t_other, cores, t_sample)
     last = whole["pipelined"]
     return {
         "streams": streams, "blocking_ms": blocking, "pipelined_ms": pipelined,
@@ -281,6 +344,8 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
         "hidden_trip_share": hidden_shares(t_host, t_device, t_other)[1],
         "pair_speedups": [p["blocking_ms"] / p["pipelined_ms"] for p in pairs],
         "pair_bounds": [pair_bound(p) for p in pairs],
+        "busy": statistics.fmean(p["busy"] for p in pairs),  # cores other programs kept busy
+        "free_cores": cores, "t_sample_ms": t_sample,
         "gain_share": gain_share(blocking / pipelined, predicted),
         "pairs": len(pairs),
         "zombie_rows": last["zombie_rows"], "zombie_tax": last["zombie_rows"] / last["rows"],
