@@ -151,6 +151,9 @@ class _Queries:
         return [s + n for s, n in zip(host_starts, self.host_query_lens)]
 
 
+_NO_TENSOR = torch.empty(0)  # an argument the C++ decoder stack does not use
+
+
 class AttentionBackend:
     """Common part: the store, the step's metadata, and the write of new k and v."""
 
@@ -181,6 +184,11 @@ class AttentionBackend:
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def stack_args(self, x: torch.Tensor) -> tuple | None:
+        """What labkit's C++ decoder stack (`labkit.kernels.stack`) needs to run this
+        backend's kernel in every layer of a step, or None where it has none for `x`."""
+        return None
 
 
 class NaiveAttention(AttentionBackend):
@@ -307,6 +315,13 @@ class PagedAttention(AttentionBackend):
         return kernel.paged_attention(q, k, v, m.write_slots, self.store.k_layers[layer],
                                       self.store.v_layers[layer], m.ctx_slots, m.q_index,
                                       m.query_lens, m.positions, 1.0 / math.sqrt(q.shape[-1]))
+
+    def stack_args(self, x: torch.Tensor) -> tuple | None:
+        if self._in_place(x) is None:
+            return None
+        m, none = self.meta, _NO_TENSOR
+        return (0, m.write_slots, self.store.k_layers, self.store.v_layers, m.ctx_slots, none,
+                0, 0, m.q_index, m.query_lens, m.positions)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         m = self.meta
@@ -514,6 +529,14 @@ class FlashAttention(AttentionBackend):
                                       self.store.v_layers[layer], m.block_tables,
                                       m.block_size, self._tile(m.block_size), m.q_index,
                                       m.query_lens, m.positions, 1.0 / math.sqrt(q.shape[-1]))
+
+    def stack_args(self, x: torch.Tensor) -> tuple | None:
+        if self._in_place(x) is None:
+            return None
+        m = self.meta
+        return (1, m.write_slots, self.store.k_layers, self.store.v_layers, _NO_TENSOR,
+                m.block_tables, m.block_size, self._tile(m.block_size), m.q_index,
+                m.query_lens, m.positions)
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         m = self.meta

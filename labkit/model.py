@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from labkit.kernels import cpu as cpu_kernels
+from labkit.kernels import stack as decoder_stack
 
 
 @dataclass(frozen=True)
@@ -272,8 +273,12 @@ class LlamaModel(nn.Module):
         # last token: the others' logits are never sampled, and the head is the largest matmul)
         x = self.embed(input_ids)  # x: [T, d]
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, positions)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
+        layers = decoder_stack.for_step(self, x, attn)  # every layer in one C++ call, where
+        if layers is not None:  # labkit's kernels serve: the same ops as below, bit for bit
+            x = layers(x, cos, sin)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin, attn)
         if logit_rows is not None:
             x = x[logit_rows]
         x = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)

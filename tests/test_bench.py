@@ -197,6 +197,13 @@ def test_kernel_paths_name_the_kernel_each_op_runs_on_and_why_not():
     model, _ = load_model("tiny", quant="int8")
     paths = dict(kernel_paths(model, "flash"))
     linear = next(v for k, v in paths.items() if k.startswith("linear"))
+    from labkit.kernels import stack as decoder_stack
+
+    if cpu_kernels.kernels() is not None:
+        assert "DecoderStack" in paths["the layers"]
+        with decoder_stack.disabled():
+            assert "LABKIT_DECODER_STACK=0" in dict(kernel_paths(model, "flash"))["the layers"]
+    assert "Python, op by op" in dict(kernel_paths(model, "naive"))["the layers"]
     if cpu_kernels.kernels() is not None:
         assert "labkit C++" in linear and "int8_linear" in linear
         assert paths["attention"].endswith("flash_attention")

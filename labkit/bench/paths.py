@@ -47,6 +47,17 @@ def kernel_paths(model, attention: str, device: str = "cpu") -> list[tuple[str, 
     else:
         att = "torch matmul and softmax (the naive reference)"
     out.append(("attention", att))
+    from labkit.kernels import stack as decoder_stack
+
+    if labkit is None or attention not in ("paged", "flash"):
+        layers = "Python, op by op (DecoderLayer.forward): labkit's C++ does not serve here"
+    elif not decoder_stack.enabled():
+        layers = "Python, op by op (DecoderLayer.forward): LABKIT_DECODER_STACK=0"
+    elif decoder_stack.supports(model):
+        layers = f"{labkit} DecoderStack: every layer in one call"
+    else:
+        layers = "Python, op by op (DecoderLayer.forward): a linear the C++ stack cannot run"
+    out.append(("the layers", layers))
     return out
 
 

@@ -6,10 +6,15 @@ context (`ceilings.measure_decode_step`: the model and a plain attention over a 
 KV, nothing else), in alternating turns, and the ratio of medians is reported: what the engine
 adds around the model.
 
-Then a per-phase table from timed sections of profiled steps: the bench wraps the engine's,
-the runner's and the model's pieces on *this engine instance* with timers (plan, metadata,
-KV write + attention, q/k/v/o projections, MLP, head, sample, commit; "other" is
-what the forward spends outside them: embedding, norms, RoPE, residual adds). Timers cost a
+Then the bare forward split: its layers as one C++ call (`labkit.kernels.stack`, the default
+where labkit's kernels serve) against the Python layers, in alternating turns, and how much of
+the C++ forward is spent in kernels (timed inside the stack, plus the head) and how much
+between them (embedding, RoPE tables, the one call).
+
+Then a per-phase table (of the Python layers) from timed sections of profiled steps: the bench
+wraps the engine's, the runner's and the model's pieces on *this engine instance* with timers
+(plan, metadata, KV write + attention, q/k/v/o projections, MLP, head, sample, commit; "other"
+is what the forward spends outside them: embedding, norms, RoPE, residual adds). Timers cost a
 few microseconds each, so the profiled steps are not the ones the ratio uses.
 """
 
@@ -20,6 +25,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 
 from labkit.bench.report import report_rows
 from labkit.cli_parser import command_parser
@@ -116,6 +122,40 @@ def _head_s(model, batch: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def forward_split(model, batch: int, context: int, steps: int) -> dict:
+    """One decode forward at `batch` rows: its layers through the C++ decoder stack and through
+    the Python layers, in alternating turns (ms, medians), and where the stack's forward goes:
+    kernels (timed inside the stack, plus the head) against what runs between them."""
+    import torch
+
+    from labkit.bench.quant import decode_step
+    from labkit.kernels import stack as decoder_stack
+
+    step = decode_step(model, batch, context)
+    with torch.inference_mode():
+        step()
+        served = decoder_stack._STACKS.get(model) is not None and decoder_stack.enabled()
+        times: dict[str, list[float]] = {"stack": [], "python": []}
+        for r in range(steps):
+            for name in (("stack", "python") if r % 2 == 0 else ("python", "stack")):
+                with decoder_stack.disabled() if name == "python" else nullcontext():
+                    t0 = time.perf_counter()
+                    step()
+                    times[name].append(time.perf_counter() - t0)
+        kernel = []
+        for _ in range(steps):
+            with decoder_stack.profiling() as prof:
+                step()
+            kernel.append(prof["kernel_s"])
+    head = _head_s(model, batch, steps)
+    fwd = statistics.median(times["stack"])
+    inside = statistics.median(kernel) + head
+    return {"stack_served": served, "forward_ms": fwd * 1e3,
+            "python_layers_ms": statistics.median(times["python"]) * 1e3,
+            "kernels_ms": inside * 1e3, "between_ms": max(fwd - inside, 0.0) * 1e3,
+            "between_share": max(fwd - inside, 0.0) / fwd}
+
+
 def bench_step(model, batch: int, context: int, steps: int) -> dict:
     """One batch size: engine step vs bare forward (alternating), and the phase table."""
     from labkit.ceilings import measure_decode_step
@@ -144,12 +184,15 @@ def bench_step(model, batch: int, context: int, steps: int) -> dict:
     for _ in range(steps):  # alternating turns: a drifting machine slows both alike
         engine_s.append(engine_step())
         bare_s.append(measure_decode_step(model, batch, context, repeats=1))
+    from labkit.kernels import stack as decoder_stack
+
     timers = _Timers()
     _instrument(engine, timers)
     timers.on = True
     t0 = time.perf_counter()
-    for _ in range(steps):
-        run(engine, "blocking", max_steps=1)
+    with decoder_stack.disabled():  # the phases are the Python layers' pieces
+        for _ in range(steps):
+            run(engine, "blocking", max_steps=1)
     profiled = (time.perf_counter() - t0) / steps
     timers.on = False
     engine.close()
@@ -167,7 +210,8 @@ def bench_step(model, batch: int, context: int, steps: int) -> dict:
             "engine_step_ms": statistics.median(engine_s) * 1e3,
             "bare_forward_ms": statistics.median(bare_s) * 1e3,
             "engine_over_forward": statistics.median(engine_s) / statistics.median(bare_s),
-            "profiled_step_ms": profiled * 1e3, "phases_ms": phases}
+            "profiled_step_ms": profiled * 1e3, "phases_ms": phases,
+            "forward_split": forward_split(model, batch, context, steps)}
 
 
 def log(line: str) -> None:
@@ -204,6 +248,15 @@ def _table(rows: list[dict]) -> None:
         print(f"{label:<24}" + "".join(f"{r[key]:>12.2f}" for r in rows))
     print(f"{'engine / forward':<24}" + "".join(f"{r['engine_over_forward']:>11.2f}x"
                                                for r in rows))
+    print("the forward's layers in one C++ call (labkit.kernels.stack) and in Python:")
+    for label, key in (("forward, C++ layers", "forward_ms"),
+                       ("forward, Python layers", "python_layers_ms"),
+                       ("  in kernels", "kernels_ms"), ("  between kernels", "between_ms")):
+        print(f"{label:<24}" + "".join(f"{r['forward_split'][key]:>12.2f}" for r in rows))
+    print(f"{'  between / forward':<24}" + "".join(
+        f"{100 * r['forward_split']['between_share']:>11.1f}%" for r in rows))
+    if not all(r["forward_split"]["stack_served"] for r in rows):
+        print("(the C++ layers did not serve this model here: both rows ran the Python layers)")
     from labkit.bench.paths import format_paths
 
     print("kernels each op ran on:\n" + format_paths(rows[0]["kernel_paths"]))

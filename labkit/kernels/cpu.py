@@ -9,6 +9,7 @@ cost more in dispatch or conversion than in arithmetic:
     paged_attention.cpp  paged_attention
     flash_attention.cpp  flash_attention
     row_ops.cpp          rms_norm, rope, silu_mul
+    decoder_stack.cpp    DecoderStack: a model's layers, all of those kernels, in one call
     bindings.cpp         the Python module
 
 **int8_linear**: y = x W^T with W as int8 codes and per-row scales. torch's packed CPU kernel
@@ -102,7 +103,7 @@ from labkit.utils.cache import cache_dir
 HERE = Path(__file__).parent
 # every file the build reads: the key covers them all
 SOURCES = ("lanes.h", "quant_linear.cpp", "attention_tiles.h", "paged_attention.cpp",
-           "flash_attention.cpp", "row_ops.cpp", "bindings.cpp")
+           "flash_attention.cpp", "row_ops.cpp", "decoder_stack.cpp", "bindings.cpp")
 # -ffp-contract=off: no FMA the source did not write, so a scalar tail sums the same way in
 # every template instance (the batch invariance above depends on it)
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")

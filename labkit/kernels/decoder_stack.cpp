@@ -1,0 +1,195 @@
+// ---- the decoder's layers in one call: no Python between a step's kernels ----
+//
+// labkit.model's DecoderLayer.forward, op for op, over the same kernels (rms_norm, the
+// linears, rope, paged or flash attention, silu_mul) and the same aten calls (F.linear's
+// at::linear, the residual adds), in the same order: the outputs are the Python path's, bit
+// for bit. What goes is what sat between the kernels in Python: ~20 calls, slices, views and
+// module attribute lookups per layer, which at batch 1 cost a third of an int4 forward.
+#include <chrono>
+#include <vector>
+
+#include <torch/extension.h>
+
+at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s);
+at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz);
+at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz);
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
+                           at::Tensor write_slots, at::Tensor k, at::Tensor v, at::Tensor slots,
+                           at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
+                           double scale);
+at::Tensor flash_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
+                           at::Tensor write_slots, at::Tensor k, at::Tensor v,
+                           at::Tensor block_tables, int64_t block_size, int64_t tile,
+                           at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
+                           double scale);
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// one linear of a layer: how its weights are stored decides the call
+enum LinearKind : int64_t { kFp32 = 0, kInt8 = 1, kInt4 = 2, kInt4Bf16 = 3 };
+
+struct Linear {
+  int64_t kind = -1;  // -1: absent (the fused or the unfused form holds it)
+  at::Tensor a, b;  // fp32: weight [N, K]; int8: codes, scales; int4: codes, scale|zero
+  c10::optional<at::Tensor> bias;  // from an empty tensor: none
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  Linear qkv, q, k, v, o, gate_up, gate, up, down;
+};
+
+}  // namespace
+
+// The layers of one LlamaModel, their weights held by reference (the module's own tensors).
+class DecoderStack {
+ public:
+  DecoderStack(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
+               double eps)
+      : H_(heads), Hkv_(kv_heads), D_(head_dim), F_(intermediate), eps_(eps) {}
+
+  // linears: a list of (kind, a, b, bias) for qkv, q, k, v, o, gate_up, gate, up, down (kind
+  // -1 where the layer has the other form)
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm,
+                 std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor>> lins) {
+    TORCH_CHECK(lins.size() == 9, "add_layer: 9 linears (qkv, q, k, v, o, gate_up, gate, up, "
+                "down)");
+    Layer l;
+    l.input_norm = input_norm;
+    l.post_norm = post_norm;
+    Linear* slots[9] = {&l.qkv, &l.q, &l.k, &l.v, &l.o, &l.gate_up, &l.gate, &l.up, &l.down};
+    for (size_t i = 0; i < 9; ++i) {
+      auto& [kind, a, b, bias] = lins[i];
+      slots[i]->kind = kind;
+      slots[i]->a = a;
+      slots[i]->b = b;
+      if (bias.numel() > 0) slots[i]->bias = bias;
+    }
+    TORCH_CHECK((l.qkv.kind >= 0) != (l.q.kind >= 0 && l.k.kind >= 0 && l.v.kind >= 0),
+                "add_layer: either a fused qkv or q, k and v");
+    TORCH_CHECK((l.gate_up.kind >= 0) != (l.gate.kind >= 0 && l.up.kind >= 0),
+                "add_layer: either a fused gate_up or gate and up");
+    TORCH_CHECK(l.o.kind >= 0 && l.down.kind >= 0, "add_layer: o and down are required");
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return (int64_t)layers_.size(); }
+
+  // Seconds the last `forward` spent inside kernels and aten calls (with `profile`), so that
+  // forward time minus this is what remains between them.
+  double kernel_seconds() const { return kernel_s_; }
+
+  // x [T, d] (the embedded tokens), cos/sin [T, 1, D]; attention: 0 paged (ctx_slots), 1
+  // flash (block_tables, block_size, tile); k_layers, v_layers: each layer's pool views
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t attention,
+                     at::Tensor write_slots, std::vector<at::Tensor> k_layers,
+                     std::vector<at::Tensor> v_layers, at::Tensor ctx_slots,
+                     at::Tensor block_tables, int64_t block_size, int64_t tile,
+                     at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
+                     bool profile) {
+    TORCH_CHECK(k_layers.size() == layers_.size() && v_layers.size() == layers_.size(),
+                "DecoderStack.forward: one K and one V pool per layer");
+    TORCH_CHECK(attention == 0 || attention == 1, "DecoderStack.forward: attention 0 or 1");
+    kernel_s_ = 0.0;
+    profile_ = profile;
+    const int64_t t = x.size(0);
+    const double scale = 1.0 / std::sqrt((double)D_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      at::Tensor h = timed([&] { return rms_norm(x, l.input_norm, eps_); });
+      at::Tensor q, k, v;
+      if (l.qkv.kind >= 0) {  // fused: one call, and one RoPE for q and k together
+        at::Tensor qkv = linear(l.qkv, h).view({t, H_ + 2 * Hkv_, D_});
+        at::Tensor qk = timed([&] { return rope(qkv.narrow(1, 0, H_ + Hkv_), cos, sin); });
+        q = qk.narrow(1, 0, H_);
+        k = qk.narrow(1, H_, Hkv_);
+        v = qkv.narrow(1, H_ + Hkv_, Hkv_);
+      } else {
+        q = linear(l.q, h).view({t, H_, D_});
+        k = linear(l.k, h).view({t, Hkv_, D_});
+        v = linear(l.v, h).view({t, Hkv_, D_});
+        q = timed([&] { return rope(q, cos, sin); });
+        k = timed([&] { return rope(k, cos, sin); });
+      }
+      at::Tensor o = timed([&] {
+        return attention == 0
+                   ? paged_attention(q, k, v, write_slots, k_layers[i], v_layers[i], ctx_slots,
+                                     q_index, query_lens, positions, scale)
+                   : flash_attention(q, k, v, write_slots, k_layers[i], v_layers[i],
+                                     block_tables, block_size, tile, q_index, query_lens,
+                                     positions, scale);
+      });
+      at::Tensor proj = linear(l.o, o.reshape({t, H_ * D_}));
+      x = timed([&] { return x + proj; });  // a new x: the embedding is not ours to change
+      h = timed([&] { return rms_norm(x, l.post_norm, eps_); });
+      at::Tensor gate, up;
+      if (l.gate_up.kind >= 0) {
+        at::Tensor gu = linear(l.gate_up, h);  // [T, 2F]: two slices
+        gate = gu.narrow(1, 0, F_);
+        up = gu.narrow(1, F_, F_);
+      } else {
+        gate = linear(l.gate, h);
+        up = linear(l.up, h);
+      }
+      at::Tensor act = timed([&] { return silu_mul(gate, up); });
+      at::Tensor down = linear(l.down, act);
+      timed([&] { return x.add_(down); });
+    }
+    return x;
+  }
+
+ private:
+  template <typename Fn>
+  at::Tensor timed(Fn&& fn) {
+    if (!profile_) return fn();
+    const auto t0 = Clock::now();
+    at::Tensor out = fn();
+    kernel_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+    return out;
+  }
+
+  // QuantLinear.forward / nn.Linear.forward for a 2-D contiguous x, the same calls
+  at::Tensor linear(const Linear& lin, const at::Tensor& x_in) {
+    return timed([&] {
+      at::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+      switch (lin.kind) {
+        case kFp32:
+          return at::linear(x_in, lin.a, lin.bias);
+        case kInt8: {
+          at::Tensor y = int8_linear(x, lin.a, lin.b);
+          return lin.bias ? y + *lin.bias : y;
+        }
+        case kInt4: {
+          at::Tensor y = int4_linear(x, lin.a, lin.b);
+          return lin.bias ? y + *lin.bias : y;
+        }
+        case kInt4Bf16: {
+          at::Tensor y = int4_linear_bf16(x, lin.a, lin.b);
+          return lin.bias ? y + *lin.bias : y;
+        }
+        default:
+          TORCH_CHECK(false, "DecoderStack: a linear of unknown kind ", lin.kind);
+      }
+    });
+  }
+
+  int64_t H_, Hkv_, D_, F_;
+  double eps_;
+  std::vector<Layer> layers_;
+  bool profile_ = false;
+  double kernel_s_ = 0.0;
+};
+
+void bind_decoder_stack(pybind11::module& m) {
+  pybind11::class_<DecoderStack>(m, "DecoderStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("num_layers", &DecoderStack::num_layers)
+      .def("kernel_seconds", &DecoderStack::kernel_seconds)
+      .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

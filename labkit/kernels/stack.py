@@ -1,0 +1,132 @@
+"""The decoder's layers in one C++ call (`decoder_stack.cpp`), where labkit's kernels serve.
+
+At batch 1 a SmolLM2 int4 forward spent about a third of its time in Python between the
+kernels: ~20 calls, slices, views and module attribute lookups per layer, 30 layers. A
+`DecoderStack` holds every layer's weights (the modules' own tensors, by reference) and runs
+`DecoderLayer.forward` op for op in C++, over the same kernels and aten calls in the same order,
+so its outputs are the Python path's, bit for bit (tests/test_decoder_stack.py). The Python
+layers stay the readable reference, and what runs wherever the stack does not serve: a model
+whose linears are not fp32 `nn.Linear` or labkit's quantized kernels, an attention backend
+without a CPU kernel (naive attention, a bf16 pool), a CUDA tensor, a torch mode (tracing, the
+tests' fake CUDA), no compiler, or `LABKIT_DECODER_STACK=0`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from labkit.kernels import cpu as cpu_kernels
+
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, stack)
+_state = {"enabled": os.environ.get("LABKIT_DECODER_STACK", "1") != "0", "profile": False,
+          "kernel_s": 0.0}
+_KINDS = {"int8_linear": 1, "int4_linear": 2, "int4_linear_bf16": 3}  # decoder_stack.cpp
+_LINEARS = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj",
+            "up_proj", "down_proj")
+_NONE = torch.empty(0)
+
+
+def enabled() -> bool:
+    """Whether models may run their layers through the stack."""
+    return _state["enabled"]
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the block with every model on its Python layers (to compare the two)."""
+    before = _state["enabled"]
+    _state["enabled"] = False
+    try:
+        yield
+    finally:
+        _state["enabled"] = before
+
+
+def _linear_args(lin: nn.Module | None) -> tuple | None:
+    """(kind, a, b, bias) of one linear for decoder_stack.cpp; kind -1 for an absent one; None
+    if the stack cannot run it."""
+    if lin is None:
+        return (-1, _NONE, _NONE, _NONE)
+    bias = _NONE if lin.bias is None else lin.bias
+    if type(lin) is nn.Linear:
+        return (0, lin.weight, _NONE, bias)
+    kernel = getattr(lin, "_labkit_kernel", None)
+    if kernel not in _KINDS:
+        return None
+    a, b = (lin.qweight, lin.scale) if kernel == "int8_linear" else (lin.kweight, lin.kscale)
+    return (_KINDS[kernel], a, b, bias)
+
+
+def _build(model, module):
+    """A DecoderStack of `model`'s layers, or None if one of its linears has no C++ path."""
+    cfg = model.cfg
+    stack = module.DecoderStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                cfg.intermediate_size, cfg.rms_norm_eps)
+    for layer in model.layers:
+        lins = [_linear_args(getattr(layer, name, None)) for name in _LINEARS]
+        if any(x is None for x in lins):
+            return None
+        stack.add_layer(layer.input_norm, layer.post_attn_norm, lins)
+    return stack
+
+
+def supports(model) -> bool:
+    """Whether every linear of `model` has a C++ path (a stack would serve its forward where
+    labkit's kernels and the attention backend's do)."""
+    return all(_linear_args(getattr(layer, n, None)) is not None
+               for layer in model.layers for n in _LINEARS)
+
+
+def _key(model) -> tuple:
+    """What the stack was built from: the layers' linear modules and the kernel each runs (a
+    replaced module, a quantized or fused model, or a kernel switched off needs a new one)."""
+    return tuple((id(getattr(layer, n, None)), getattr(getattr(layer, n, None),
+                                                        "_labkit_kernel", None))
+                 for layer in model.layers for n in _LINEARS)
+
+
+def for_step(model, x: torch.Tensor, attn) -> Callable | None:
+    """The call that runs all of `model`'s layers on `x` ([T, d], fp32 CPU) with `attn`, or None
+    where the stack does not serve this forward (the caller runs its Python layers)."""
+    if not _state["enabled"] or cpu_kernels.usable(x) is None:
+        return None
+    args_of = getattr(attn, "stack_args", None)
+    args = args_of(x) if args_of is not None else None
+    if args is None:
+        return None
+    key = _key(model)
+    entry = _STACKS.get(model)
+    if entry is None or entry[0] != key:
+        entry = (key, _build(model, cpu_kernels.kernels()))
+        _STACKS[model] = entry
+    stack = entry[1]
+    if stack is None:
+        return None
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        profile = _state["profile"]
+        out = stack.forward(x, cos, sin, *args, profile)
+        if profile:
+            _state["kernel_s"] += stack.kernel_seconds()
+        return out
+
+    return run
+
+
+@contextlib.contextmanager
+def profiling() -> Iterator[dict]:
+    """Time the kernels inside every stack call of the block: yields a dict whose "kernel_s"
+    holds, after the block, the seconds they took (the rest of a forward is what ran between
+    them)."""
+    out = {"kernel_s": 0.0}
+    _state["profile"], _state["kernel_s"] = True, 0.0
+    try:
+        yield out
+    finally:
+        out["kernel_s"], _state["profile"] = _state["kernel_s"], False

@@ -1,0 +1,128 @@
+"""The C++ decoder stack runs the Python layers' ops, bit for bit, and only where it serves."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from labkit.attention import BACKENDS, FlashAttention, FlashMeta
+from labkit.kernels import cpu as cpu_kernels
+from labkit.kernels import stack as decoder_stack
+from labkit.model import LlamaModel, ModelConfig, init_random
+from labkit.paged_kv import PagedKVCache
+from labkit.quant import quantize_model
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.kernels() is None,
+                                   reason=f"labkit's CPU kernels: {cpu_kernels.status()}")
+
+BLOCK = 4
+
+
+def _model(quant: str | None, fuse: bool, bias: bool = False) -> LlamaModel:
+    cfg = ModelConfig.tiny().with_(attention_bias=bias)
+    model = init_random(LlamaModel(cfg).eval(), seed=11)
+    if quant is not None:
+        model = quantize_model(model, quant)
+    if fuse:
+        model.fuse_projections()
+    return model
+
+
+def _steps(model, backend: str):
+    """A prefill of two sequences (5 and 7 tokens), then two decode steps: the logits of every
+    step and the KV pool after them."""
+    cfg = model.cfg
+    cache = PagedKVCache(cfg, 16, BLOCK, torch.float32)
+    attn = FlashAttention(cache) if backend == "flash" else BACKENDS[backend](cache)
+    meta_type = FlashMeta if backend == "flash" else type(attn).meta_type
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    lens, starts = torch.tensor([5, 7]), torch.tensor([0, 0])
+    for _ in range(3):
+        ids = torch.randint(0, cfg.vocab_size, (int(lens.sum()),), generator=gen)
+        meta = meta_type.build(lens, starts, tables, BLOCK)
+        attn.begin_step(meta)
+        out.append(model(ids, meta.positions, attn, logit_rows=meta.last_rows))
+        starts = starts + lens
+        lens = torch.tensor([1, 1])
+    return out, cache.k.clone(), cache.v.clone()
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["paged", "flash"])
+@pytest.mark.parametrize(("quant", "fuse", "bias"), [
+    (None, False, False), (None, True, False), (None, False, True), ("int8", True, False),
+    ("int4-g32", True, False), ("int8", False, True)])
+def test_stack_equals_the_python_layers_bit_for_bit(backend, quant, fuse, bias):
+    model = _model(quant, fuse, bias)
+    with decoder_stack.disabled():
+        want = _steps(model, backend)
+    got = _steps(model, backend)
+    assert decoder_stack.for_step(model, torch.zeros(1, model.cfg.hidden_size),
+                                  _attn_for(model, backend)) is not None  # it ran
+    for g, w in zip(got[0], want[0]):
+        assert torch.equal(g, w)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # the same KV
+
+
+def _attn_for(model, backend):
+    cache = PagedKVCache(model.cfg, 16, BLOCK, torch.float32)
+    attn = FlashAttention(cache) if backend == "flash" else BACKENDS[backend](cache)
+    meta_type = FlashMeta if backend == "flash" else type(attn).meta_type
+    attn.begin_step(meta_type.build(torch.tensor([1]), torch.tensor([0]),
+                                    torch.tensor([[0]]), BLOCK))
+    return attn
+
+
+@needs_kernels
+def test_stack_stands_aside_where_it_does_not_serve():
+    model = _model("int8", True)
+    x = torch.zeros(1, model.cfg.hidden_size)
+    assert decoder_stack.for_step(model, x, _attn_for(model, "naive")) is None  # no kernel
+    assert decoder_stack.for_step(model, x.bfloat16(), _attn_for(model, "paged")) is None
+    with decoder_stack.disabled():
+        assert decoder_stack.for_step(model, x, _attn_for(model, "paged")) is None
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):  # a torch mode must see aten ops: the stack stands aside
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        assert decoder_stack.for_step(model, x, _attn_for(model, "paged")) is None
+
+
+@needs_kernels
+def test_stack_follows_the_model_when_its_modules_change():
+    model = _model(None, False)
+    attn = _attn_for(model, "paged")
+    x = torch.zeros(1, model.cfg.hidden_size)
+    first = decoder_stack._STACKS.get(model) if decoder_stack.for_step(model, x, attn) else None
+    assert first is not None
+    model.fuse_projections()  # new modules: a new stack, not the old one's weights
+    decoder_stack.for_step(model, x, attn)
+    assert decoder_stack._STACKS[model] is not first
+    clone = copy.deepcopy(model)  # a model with a stack still copies (the stack is not in it)
+    assert clone is not model
+
+
+@needs_kernels
+def test_stack_reports_the_time_spent_in_kernels():
+    model = _model("int8", True)
+    attn = _attn_for(model, "paged")
+    x = torch.randn(1, model.cfg.hidden_size)
+    from labkit.model import rope_tables
+
+    cos, sin = rope_tables(model.cfg.head_dim, model.cfg.rope_theta, torch.tensor([0]))
+    run = decoder_stack.for_step(model, x, attn)
+    with decoder_stack.profiling() as prof:
+        t0 = time.perf_counter()
+        run(x, cos, sin)
+        wall = time.perf_counter() - t0
+    assert 0 < prof["kernel_s"] <= wall
+    run(x, cos, sin)  # outside the block: nothing more is counted
+    assert decoder_stack._state["kernel_s"] == prof["kernel_s"]
