@@ -42,6 +42,7 @@ def solutions() -> dict[str, Callable]:
         roofline,
         sampling,
         sequence,
+        speculative,
     )
     from labkit.bench import ablation as bench_ablation
     from labkit.bench import decode as bench_decode
@@ -92,4 +93,11 @@ def solutions() -> dict[str, Callable]:
         # chapter 08
         "predict_wall": pick("ch08_capstone", "predict_wall", bench_ablation.predict_wall),
         "relay": pick("ch08_capstone", "relay", server.relay),
+        # chapter 09
+        "expected_tokens": pick("ch09_speculative", "expected_tokens",
+                                speculative.expected_tokens),
+        "accept_greedy": pick("ch09_speculative", "accept_greedy", speculative.accept_greedy),
+        "accept_sampled": pick("ch09_speculative", "accept_sampled",
+                               speculative.accept_sampled),
+        "rollback": pick("ch09_speculative", "rollback", speculative.rollback),
     }

@@ -37,6 +37,7 @@ from labkit.graders import (
     ch06_gpu_bubble,
     ch07_pipelined,
     ch08_capstone,
+    ch09_speculative,
 )
 
 
@@ -82,6 +83,10 @@ EXERCISES: dict[str, Exercise] = {ex.name: ex for ex in (
     Exercise("run_pipelined", "ch07_pipelined", ch07_pipelined.grade_run_pipelined),
     Exercise("predict_wall", "ch08_capstone", ch08_capstone.grade_predict_wall),
     Exercise("relay", "ch08_capstone", ch08_capstone.grade_relay),
+    Exercise("expected_tokens", "ch09_speculative", ch09_speculative.grade_expected_tokens),
+    Exercise("accept_greedy", "ch09_speculative", ch09_speculative.grade_accept_greedy),
+    Exercise("accept_sampled", "ch09_speculative", ch09_speculative.grade_accept_sampled),
+    Exercise("rollback", "ch09_speculative", ch09_speculative.grade_rollback),
 )}
 
 
