@@ -17,6 +17,7 @@ at::Tensor flash_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
+int64_t read_probe(at::Tensor t);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x W^T, W int8 codes with one scale per output row");
@@ -29,4 +30,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("rope", &rope, "rotary position embedding of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("read_probe", &read_probe, "read every byte of a tensor (a read-rate probe); a checksum");
 }
