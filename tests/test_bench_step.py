@@ -1,5 +1,7 @@
 """`bench step` on the tiny model: every phase is timed and the table is complete."""
 
+import pytest
+
 from labkit.bench import step as bench_step
 from tests.bench_helpers import json_rows, refuses
 
@@ -29,3 +31,37 @@ def test_bad_batch_exits_2(capsys, monkeypatch):
 
 def test_bad_quant_exits_2(capsys, monkeypatch):
     refuses(bench_step.main, ["--quant", "int5"], "--quant", capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_quantized_step_reports_its_linears_read_rate_beside_the_probe(quant, capsys):
+    # structure and sanity, not a speed: each of layer 0's linears and the head, then all of a
+    # step's linears, with the bytes they read, their time, and the probe's over the same bytes
+    from labkit.kernels import cpu as cpu_kernels
+
+    rows, _ = json_rows(bench_step.main, ["--model", "tiny", "--batch", "1,2", "--context", "8",
+                                          "--steps", "2", "--quant", quant, "--json"], capsys)
+    assert "linear_rates" not in rows[1]  # batch 1 only
+    rates = rows[0]["linear_rates"]
+    if cpu_kernels.kernels() is None:  # no C++ build: torch's kernels, nothing to probe
+        assert rates == []
+        return
+    names = [r["linear"] for r in rates]
+    assert names == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head",
+                     "step linears"], names  # a fused layer's linears in the step's order
+    step, per_shape = rates[-1], rates[:-1]
+    # the step reads every layer's linears and the head once: 4 linears a fused layer, + 1
+    assert step["shape"] == f"{4 * 2 + 1} linears" and step["bytes"] > sum(
+        r["bytes"] for r in per_shape)
+    for r in rates:
+        assert r["kernel"] in ("int8_linear", "int4_linear", "int4_linear_bf16"), r
+        assert r["bytes"] > 0 and r["us"] > 0 and r["probe_us"] > 0 and r["threads"] >= 1, r
+        # each figure is its bytes over its time, and the ratio is the probe's time over the
+        # kernel's (rounding aside): a table whose columns disagree would mislead
+        assert abs(r["gb_per_s"] - r["bytes"] / r["us"] / 1e3) <= 1e-6 * r["gb_per_s"], r
+        assert abs(r["over_probe"] - r["probe_us"] / r["us"]) <= 1e-6 * r["over_probe"], r
+    head = rates[names.index("lm_head")]
+    assert head["shape"] == "8192x64"  # the tiny model's vocabulary by its hidden size
+    bench_step._table(rows)  # the people's table prints the same rows
+    out = capsys.readouterr().out
+    assert "read probe" in out and "step linears" in out and "kernel/probe" in out

@@ -380,3 +380,25 @@ def test_the_kernels_stand_aside_while_a_torch_mode_is_on():
     assert cpu_kernels.usable(x.double()) is None
     with Seen():
         assert cpu_kernels.usable(x) is None
+
+
+# ---- read_probe: bench step's yardstick -------------------------------------------------------
+
+@needs_kernel
+@pytest.mark.parametrize("nbytes", [0, 255, 256, 4096 + 77, 1_000_003])
+def test_the_read_probe_reads_every_byte(nbytes):
+    # what it returns is its proof of reading: the xor of the buffer's 8-byte words over whole
+    # 256-byte steps, then of each tail byte; a byte it skipped would not change the answer
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(nbytes)
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    whole = nbytes - nbytes % 256
+    want = int(np.bitwise_xor.reduce(buf[:whole].numpy().view(np.uint64), initial=0))
+    for b in buf[whole:].tolist():
+        want ^= b
+    assert built.read_probe(buf) & (2**64 - 1) == want
+    for i in {0, nbytes // 2, nbytes - 1} if nbytes else ():  # first, middle, last byte
+        flipped = buf.clone()
+        flipped[i] ^= 1
+        assert built.read_probe(flipped) != built.read_probe(buf), i

@@ -16,6 +16,10 @@ wraps the engine's, the runner's and the model's pieces on *this engine instance
 (plan, metadata, KV write + attention, q/k/v/o projections, MLP, head, sample, commit; "other"
 is what the forward spends outside them: embedding, norms, RoPE, residual adds). Timers cost a
 few microseconds each, so the profiled steps are not the ones the ratio uses.
+
+A quantized model's row at batch 1 also carries its linears' effective read rate, each shape's
+and a whole step's, beside labkit's read probe of the same byte count (`linear_rate`): how
+close the kernels come to reading their weights as fast as this CPU can read bytes.
 """
 
 from __future__ import annotations
@@ -224,6 +228,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import torch
 
+    from labkit.bench.linear_rate import linear_rates
     from labkit.loading import load_model
 
     log(f"bench step: model {args.model} (quant {args.quant}), context {args.context}, "
@@ -234,6 +239,9 @@ def main(argv: list[str]) -> int:
         for b in args.batch:
             log(f"  batch {b} ...")
             rows.append(bench_step(model, b, args.context, args.steps))
+            if b == 1 and args.quant != "none":  # the kernels' read rate at batch 1
+                log("  linears at batch 1 against the read probe ...")
+                rows[-1]["linear_rates"] = linear_rates(model, turns=max(3, args.steps))
         return rows
 
     return report_rows(measure, args.json, _table)
@@ -257,6 +265,12 @@ def _table(rows: list[dict]) -> None:
         f"{100 * r['forward_split']['between_share']:>11.1f}%" for r in rows))
     if not all(r["forward_split"]["stack_served"] for r in rows):
         print("(the C++ layers did not serve this model here: both rows ran the Python layers)")
+    from labkit.bench.linear_rate import format_rates
     from labkit.bench.paths import format_paths
 
     print("kernels each op ran on:\n" + format_paths(rows[0]["kernel_paths"]))
+    for r in rows:
+        if r.get("linear_rates"):
+            print(f"linears at batch {r['batch']}: bytes read / time, beside the read probe "
+                  "of the same bytes (labkit.bench.linear_rate)\n"
+                  + format_rates(r["linear_rates"]))

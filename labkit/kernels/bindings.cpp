@@ -18,6 +18,7 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
 void bind_decoder_stack(pybind11::module& m);
+int64_t read_probe(at::Tensor t);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x W^T, W int8 codes with one scale per output row");
@@ -31,4 +32,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "rotary position embedding of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   bind_decoder_stack(m);  // DecoderStack: every layer of a decoder in one call
+  m.def("read_probe", &read_probe, "read every byte of a tensor (a read-rate probe); a checksum");
 }

@@ -10,6 +10,7 @@ cost more in dispatch or conversion than in arithmetic:
     flash_attention.cpp  flash_attention
     row_ops.cpp          rms_norm, rope, silu_mul
     decoder_stack.cpp    DecoderStack: a model's layers, all of those kernels, in one call
+    read_probe.cpp       read_probe: a buffer read and nothing else (`bench step`'s yardstick)
     bindings.cpp         the Python module
 
 **int8_linear**: y = x W^T with W as int8 codes and per-row scales. torch's packed CPU kernel
@@ -36,7 +37,11 @@ the codes need not become fp32. A code 0..15 is exact in bf16, so one 16-entry l
 against x rounded to bf16 (as torch's packed kernels round it); a group's scale and zero are
 applied once, to its sum. Lanes are 16 output rows (`int4_bf16_layout`). Measured in a SmolLM2
 int4 step on a 2-core AVX-512 machine: 1.5x faster than int4_linear at batch 1, 1.3x at 3,
-1.0x at 32. QuantLinear takes it where N is a multiple of 16 (`int4_bf16_fits`), unless
+1.0x at 32. Each thread takes an equal run of 16-row blocks (a 576-row matrix is 36 blocks:
+18 each, where 9 items of 4 would split 5 : 4) and, while it multiplies one item, prefetches
+its next, a share each group. Its inner loop is six vector ops per 32 bytes of codes, two
+of them the dot products (results/cpu-kernels-2026-12-03.md: ~25 GB/s a core from L2).
+QuantLinear takes it where N is a multiple of 16 (`int4_bf16_fits`), unless
 `LABKIT_BF16_DOT=0`.
 
 **paged_attention**: each new token attends over its sequence's context by reading the K and V
@@ -103,7 +108,8 @@ from labkit.utils.cache import cache_dir
 HERE = Path(__file__).parent
 # every file the build reads: the key covers them all
 SOURCES = ("lanes.h", "quant_linear.cpp", "attention_tiles.h", "paged_attention.cpp",
-           "flash_attention.cpp", "row_ops.cpp", "decoder_stack.cpp", "bindings.cpp")
+           "flash_attention.cpp", "row_ops.cpp", "decoder_stack.cpp", "read_probe.cpp",
+           "bindings.cpp")
 # -ffp-contract=off: no FMA the source did not write, so a scalar tail sums the same way in
 # every template instance (the batch invariance above depends on it)
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
