@@ -19,15 +19,18 @@ __all__ = ["Completion", "Engine", "RequestError", "SamplingParams", "generate",
 _ENGINES: dict[tuple, Engine] = {}
 
 
-def get_engine(model: str = "smollm2-135m", quant: str | None = None, **engine_kwargs
-               ) -> Engine:
+def get_engine(model: str = "smollm2-135m", quant: str | None = None,
+               drafts: tuple[str, ...] = (), **engine_kwargs) -> Engine:
     """A cached engine for a model name or path (loaded once per process); `quant`: a
-    labkit.quant scheme name, or None for fp32 weights."""
-    key = (model, quant, tuple(sorted(engine_kwargs.items())))
+    labkit.quant scheme name, or None for fp32 weights; `drafts`: quantized copies of the
+    model for speculative decoding to draft with ("int4", "int8")."""
+    drafts = tuple(sorted(drafts))
+    key = (model, quant, drafts, tuple(sorted(engine_kwargs.items())))
     if key not in _ENGINES:
         from labkit.loading import load_model
         m, tok = load_model(model, quant=quant)
-        _ENGINES[key] = Engine(m, tok, **engine_kwargs)
+        copies = {name: load_model(model, quant=name)[0] for name in drafts}
+        _ENGINES[key] = Engine(m, tok, drafts=copies, **engine_kwargs)
     return _ENGINES[key]
 
 

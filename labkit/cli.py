@@ -19,7 +19,8 @@ from labkit.cli_parser import add_engine_flags, command_parser, engine_kwargs
 FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
          "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
          "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-         "repetition_penalty": "--repetition-penalty", "n": "--n"}
+         "repetition_penalty": "--repetition-penalty", "n": "--n",
+         "speculative": "--speculative"}
 JSONL_KEYS = {"prompt", "chat", "constraint", *FLAGS}
 
 
@@ -50,6 +51,11 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=1,
                    help="answers per prompt (parallel sampling: the prompt is computed once "
                         "and its KV pages shared; each answer has its own seed)")
+    p.add_argument("--speculative", default=None, metavar="PROPOSER:K",
+                   help="speculative decoding: int4:K or int8:K (the model's quantized copy "
+                        "drafts K tokens a step) or ngram:K (prompt lookup); the model "
+                        "verifies them in one launch, greedy output unchanged (blocking "
+                        "decoder only)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     add_engine_flags(p)
     p.add_argument("--json", action="store_true",
@@ -135,6 +141,10 @@ def _generate(args) -> int:
     from labkit.constraints_json import parse_constraint
     from labkit.scheduler import RequestError
 
+    # speculative requests drafting with a quantized copy: the engine loads it beside the model
+    drafts = tuple(sorted({p.draft[0] for p in params if p.draft and p.draft[0] != "ngram"}))
+    if drafts:
+        engine_kw["drafts"] = drafts
     t0 = time.perf_counter()
     try:
         engine = labkit.get_engine(args.model, **engine_kw)

@@ -20,12 +20,16 @@ Step t+1 is planned before commit t, so a sequence whose row in step t emits a t
 token further on than its `output_ids` say: the scheduler counts it in `seq.pending`, and its
 row in step t+1 reads that token on the device. The pages step t+1 writes, that pending
 position included, are allocated when it is planned.
+
+Speculative decoding is refused here: a verify row's next row starts after however many
+tokens the target accepted, known only at its commit, but step t+1 is planned before commit t.
 """
 
 from __future__ import annotations
 
 from labkit.device import NUM_SLOTS
 from labkit.engine import Engine, Launch
+from labkit.scheduler import RequestError
 
 
 def run_pipelined(engine: Engine, max_steps: int | None = None) -> None:
@@ -35,6 +39,13 @@ def run_pipelined(engine: Engine, max_steps: int | None = None) -> None:
     committed: nothing is left in flight, and any decoder can carry on from there.
     """
     sched = engine.scheduler
+    speculative = [s.request_id for s in (*sched.waiting, *sched.running)
+                   if s.params.speculative is not None and not s.finalized]
+    if speculative:
+        raise RequestError(
+            f"requests {speculative[:8]} ask for speculative decoding, which runs on the "
+            "blocking decoder: the pipelined one plans step t+1 before commit t knows how many "
+            "drafted tokens step t accepted (so where step t+1 starts)")
     occupant: list[Launch | None] = [None] * NUM_SLOTS  # the uncommitted launch in each slot
     prev: Launch | None = None
     nxt: Launch | None = None
@@ -46,7 +57,7 @@ def run_pipelined(engine: Engine, max_steps: int | None = None) -> None:
             more = max_steps is None or launched < max_steps
             if prev is None and (sched.idle() or not more):
                 return
-            nxt = engine.plan_step() if more else None
+            nxt = engine.plan_step(speculate=False) if more else None
             if nxt is not None:  # 1. launch t+1
                 launched += 1
                 slot = 1 - prev.slot if prev is not None else slot

@@ -12,9 +12,10 @@ ever call these four methods, so the same decoder code runs on every device:
   (copy stream, after the sample);
 - `wait_tokens(slot)`: block until that copy is done and return the tokens.
 
-Two extras ride along: `launch_sample` takes the used tokens of rows with penalties
-(`history`), and rows that asked for log-probabilities get them back with their tokens, in the
-same copy (`logprobs(slot)`, after `wait_tokens`).
+Three extras ride along: `launch_sample` takes the used tokens of rows with penalties
+(`history`) and the drafts of speculative verify rows (`drafts`, on a device that runs them:
+`Device.speculative`), and rows that asked for log-probabilities get them back with their
+tokens, in the same copy (`logprobs(slot)`, after `wait_tokens`).
 
 `InProcessDevice` runs each launch synchronously in the caller's thread: the simplest correct
 device, used by the early notebooks and for debugging.
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from labkit.runner import ModelRunner, StepPlan
-from labkit.sampling import MAX_LOGPROBS, History
+from labkit.sampling import MAX_LOGPROBS, Drafts, History
 
 NUM_SLOTS = 2  # ping-pong: step t+1 never overwrites what the host still reads of step t
 
@@ -53,11 +54,20 @@ def allowed_tensor(allowed: dict[int, torch.Tensor] | None, batch: int, vocab: i
     return mask
 
 
+def check_no_verify(device: Device, plan: StepPlan) -> None:
+    """Refuse a speculative verify step on a device whose host buffers carry one token a row."""
+    if plan.verify is not None:
+        raise ValueError(f"step {plan.step} has speculative verify rows, which the {device.name} "
+                         "device does not run (its host buffers carry one token per row); "
+                         "speculative decoding runs on device='inprocess'")
+
+
 class Device:
     """Base class: the four launches every device provides."""
 
     name = "device"
     simulated = False
+    speculative = False  # runs verify rows (StepPlan.verify; labkit.speculative)
 
     def launch_forward(self, slot: int, plan: StepPlan) -> None:
         """Enqueue the step's forward on the compute stream."""
@@ -65,7 +75,7 @@ class Device:
 
     def launch_sample(self, slot: int, plan: StepPlan,
                       allowed: dict[int, torch.Tensor] | None = None,
-                      history: History | None = None) -> None:
+                      history: History | None = None, drafts: Drafts | None = None) -> None:
         """Enqueue masking and sampling of the slot's logits on the compute stream."""
         raise NotImplementedError
 
@@ -98,6 +108,7 @@ class InProcessDevice(Device):
     """Runs every launch at once, in the caller's thread (synchronous; for debugging)."""
 
     name = "in-process"
+    speculative = True
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
@@ -115,11 +126,12 @@ class InProcessDevice(Device):
 
     def launch_sample(self, slot: int, plan: StepPlan,
                       allowed: dict[int, torch.Tensor] | None = None,
-                      history: History | None = None) -> None:
+                      history: History | None = None, drafts: Drafts | None = None) -> None:
         t0 = time.perf_counter()
         logits = self._logits[slot]
         mask = allowed_tensor(allowed, plan.batch_size, logits.shape[-1], logits.device)
-        self._tokens[slot] = self.runner.sample(plan, logits, mask, history=history)
+        self._tokens[slot] = self.runner.sample(plan, logits, mask, history=history,
+                                                drafts=drafts)
         self._logprobs[slot] = self.runner.last_logprobs
         self._logits[slot] = None
         self._spans.append(("compute", "sample", plan.step, t0, time.perf_counter()))
@@ -445,6 +457,7 @@ class ProcessDevice(Device):
     # -- the four launches ---------------------------------------------------------------------
 
     def launch_forward(self, slot: int, plan: StepPlan) -> None:
+        check_no_verify(self, plan)
         self._send(("forward", slot, plan.step, plan))
 
     def _mask_payload(self, allowed: dict[int, torch.Tensor]) -> dict:
@@ -472,7 +485,7 @@ class ProcessDevice(Device):
 
     def launch_sample(self, slot: int, plan: StepPlan,
                       allowed: dict[int, torch.Tensor] | None = None,
-                      history: History | None = None) -> None:
+                      history: History | None = None, drafts: Drafts | None = None) -> None:
         masks = self._mask_payload(allowed) if allowed else None
         self._slot_step[slot] = plan.step
         # the device kept the slot's plan from the forward: only masks and history travel

@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from labkit.attention import AttentionMeta
-from labkit.device import NUM_SLOTS, Device
+from labkit.device import NUM_SLOTS, Device, check_no_verify
 from labkit.quant import relayout
 from labkit.runner import ModelRunner, StepPlan
-from labkit.sampling import MAX_LOGPROBS, History
+from labkit.sampling import MAX_LOGPROBS, Drafts, History
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +261,7 @@ class CudaDevice(Device):
         return ev
 
     def launch_forward(self, slot: int, plan: StepPlan) -> None:
+        check_no_verify(self, plan)
         # a graphed forward's logits live in its graph's static buffer, which the next replay
         # of that bucket rewrites: every earlier forward must have been sampled by now
         unsampled = [s for s, lg in enumerate(self._logits) if lg is not None]
@@ -282,7 +283,7 @@ class CudaDevice(Device):
 
     def launch_sample(self, slot: int, plan: StepPlan,
                       allowed: dict[int, torch.Tensor] | None = None,
-                      history: History | None = None) -> None:
+                      history: History | None = None, drafts: Drafts | None = None) -> None:
         t0: list = []
         with torch.cuda.stream(self.compute):
             mask = None

@@ -14,6 +14,12 @@ An `Engine` holds one model on one device with its scheduler and tokenizer. The 
   conditions, release. Rows of finished sequences (zombies), non-final prefill chunks (silent
   rows) and static batching's padding rows are skipped and counted in `engine.stats`.
 
+Speculative requests (`SamplingParams.speculative`, labkit.speculative) add one piece before
+the plan: their proposer drafts k tokens (`_propose`), the scheduler plans a *verify row* (the
+last committed token and the draft, one chunk), the device samples all k + 1 positions, and
+commit keeps the accepted run (`_commit_verify`), then rolls the KV back to it. The pipelined
+loop refuses them: it plans step t+1 before commit t says where step t+1 starts.
+
 The engine does not choose a decoder: `labkit.decoders.run(engine, "pipelined")` does, one
 layer up, and `labkit.generate(...)` is the one-call front door.
 """
@@ -30,9 +36,10 @@ import torch
 from labkit.device import Device, InProcessDevice, ProcessDevice
 from labkit.paged_kv import BlockAllocator
 from labkit.runner import ModelRunner, StepPlan, contiguous_row_len, max_seq_len
-from labkit.sampling import History, SamplingParams, unpack_logprobs
+from labkit.sampling import Drafts, History, SamplingParams, unpack_logprobs
 from labkit.scheduler import RequestError, Row, Scheduler
 from labkit.sequence import FinishReason, Sequence, commit_row
+from labkit.speculative import DraftModel, PromptLookup, Proposal, Proposer, accept_greedy
 
 TextCallback = Callable[[int, str], None]  # (request index, newly decoded text)
 
@@ -92,6 +99,12 @@ class EngineStats:
     padding_rows: int = 0  # static batching: rows of finished members kept as padding
     peak_pages_used: int = 0  # most KV pages held at once
     peak_running: int = 0  # most sequences running (admitted, unfinished) at once
+    # speculative decoding (labkit.speculative)
+    verify_rows: int = 0  # verify rows launched (the last token plus k drafted ones each)
+    draft_tokens: int = 0  # drafted tokens those rows checked
+    accepted_tokens: int = 0  # drafted tokens the target accepted
+    draft_pages_returned: int = 0  # pages that held only rejected positions, returned
+    draft_s: float = 0.0  # host time spent proposing (the draft model's launches included)
     step_tokens: list[int] = field(default_factory=list)  # tokens of each launch (latest 10k)
 
     def reset(self) -> None:
@@ -162,9 +175,11 @@ class Engine:
                  device: str = "inprocess", attention: str | None = None,
                  max_step_tokens: int | None = 512,
                  batching: str = "continuous", kv_reserve: str = "on_demand",
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, drafts: dict | None = None):
         # attention: "naive", "paged" or "flash" (labkit.attention.BACKENDS); None picks the
-        # cache's own ("paged" for the paged pool, "naive" for the contiguous slabs)
+        # cache's own ("paged" for the paged pool, "naive" for the contiguous slabs).
+        # drafts: speculative decoding's draft models by proposer name ({"int4": the model's
+        # int4 copy}); prompt lookup ("ngram") needs none
         check_engine_settings(kv_tokens=kv_tokens, block_size=block_size, max_seqs=max_seqs,
                               num_adapter_slots=num_adapter_slots)
         num_blocks = kv_tokens // block_size
@@ -192,6 +207,18 @@ class Engine:
         self.on_step: Callable[[Engine], None] | None = None  # called between steps
         self.timeline = None  # a labkit.instruments.timeline.Timeline while one is recording
         self.interrupt_pending = False  # a deferred Ctrl-C, raised at the next between_steps
+        # speculative decoding: a proposer per name; each keeps its own state per sequence
+        self.proposers: dict[str, Proposer] = {"ngram": PromptLookup(model.cfg.vocab_size)}
+        for name, draft in (drafts or {}).items():
+            if name not in ("int4", "int8"):
+                raise ValueError(f"Engine: drafts are named 'int4' or 'int8' (the proposer a "
+                                 f"request names in SamplingParams.speculative), got {name!r}")
+            if draft.cfg.vocab_size != model.cfg.vocab_size:
+                raise ValueError(f"Engine: the {name} draft's vocabulary ({draft.cfg.vocab_size})"
+                                 f" is not the model's ({model.cfg.vocab_size})")
+            self.proposers[name] = DraftModel(name, draft, num_blocks, block_size, max_seqs,
+                                              attention)
+        self._proposals: dict[int, Proposal] = {}  # of the step being planned, by request
 
     @property
     def zombie_rows(self) -> int:
@@ -222,6 +249,8 @@ class Engine:
         cannot finish in the context left after the prompt.
         """
         vocab = self.model.cfg.vocab_size
+        if params.speculative is not None:
+            self._check_speculative(params, constraint)
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the model's vocabulary "
@@ -240,6 +269,26 @@ class Engine:
                     "or the answer (fewer decimals)")
             max_new = max(max_new, need)
         return self.scheduler.check_request(prompt_ids, max_new)
+
+    def _check_speculative(self, params: SamplingParams, constraint) -> None:
+        """Refuse a speculative request this engine cannot verify, naming what is missing."""
+        name, _ = params.draft
+        if name not in self.proposers:
+            have = ", ".join(sorted(self.proposers))
+            raise RequestError(f"speculative={params.speculative!r} needs an {name} draft model; "
+                               f"this engine has the proposers {have} (build it with "
+                               f"Engine(..., drafts={{{name!r}: model}}) or labkit.get_engine("
+                               f"..., drafts=({name!r},)))")
+        if not self.device.speculative:
+            raise RequestError(f"speculative decoding runs on the in-process device; this "
+                               f"engine's is {self.device.name!r} (its host buffers carry one "
+                               "token per row)")
+        for what, bad in (("a constraint", constraint is not None),
+                          ("penalties", params.penalized),
+                          ("logprobs", params.logprobs is not None)):
+            if bad:
+                raise RequestError(f"speculative decoding does not combine with {what}: the "
+                                   "verify row would need them per drafted position; drop one")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
                adapter: int | None = None, constraint=None, fork_of: int | None = None) -> int:
@@ -306,11 +355,20 @@ class Engine:
 
     # -- the step pieces -----------------------------------------------------------------------
 
-    def plan_step(self) -> Launch | None:
-        """The next launch: the scheduler's rows as one StepPlan (None if nothing can run)."""
+    def plan_step(self, speculate: bool = True) -> Launch | None:
+        """The next launch: the scheduler's rows as one StepPlan (None if nothing can run).
+
+        `speculate`: let the proposers draft for speculative requests (verify rows); a loop
+        that cannot commit a verify row before it plans the next step passes False, and a
+        speculative request then raises RequestError."""
         t0 = time.perf_counter()
         sched = self.scheduler
-        rows = sched.schedule()
+        self._propose(speculate)
+        try:
+            rows = sched.schedule()
+        finally:
+            for s in sched.running:
+                s.draft = None
         if not rows:
             return None
         tokens: list[int] = []
@@ -319,6 +377,9 @@ class Engine:
                 tokens.append(0)  # the device fills it in from last_tokens
             elif r.pad:
                 tokens.append(0)  # anything: a padding row's token is never used
+            elif r.draft is not None:  # the last committed token, then the drafted ones
+                tokens.append(r.seq.context[r.start])
+                tokens.extend(r.draft)
             else:
                 tokens.extend(r.seq.context[r.start:r.start + r.n])
         devs = [r.from_device for r in rows]
@@ -331,10 +392,55 @@ class Engine:
                         devs if kind == "mixed" else None, copies=sched.copies,
                         sample_from=None if all(r.sample_from is None for r in rows) else
                         [i if r.sample_from is None else r.sample_from
-                         for i, r in enumerate(rows)])
+                         for i, r in enumerate(rows)],
+                        verify=None if all(r.draft is None for r in rows) else
+                        [1 if r.draft is None else r.n for r in rows])
         launch = Launch(plan, rows)
         self._span("plan", launch, t0)
         return launch
+
+    def _propose(self, speculate: bool) -> None:
+        """Drafts for every decoding speculative request (`Sequence.draft`), at most k tokens
+        and never past its max_new_tokens; the proposers drop what finished requests held."""
+        sched = self.scheduler
+        self._proposals = {}
+        spec = [s for s in sched.running if s.params.speculative is not None]
+        if not spec and not any(p.pages_held() for p in self.proposers.values()):
+            return  # nothing speculative: plain decoding pays one scan of the running list
+        live = {s.request_id for s in spec if not (s.finalized or s.preempted)}
+        for proposer in self.proposers.values():
+            proposer.release(live)
+        want: dict[str, list[tuple[Sequence, int]]] = {}
+        for s in spec:
+            if s.request_id not in live or not s.decoding:
+                continue
+            if not speculate:
+                raise RequestError(
+                    f"request {s.request_id} asks for speculative decoding "
+                    f"({s.params.speculative!r}), which runs on the blocking decoder: the "
+                    "pipelined one plans step t+1 before step t's accepted tokens are known")
+            name, k = s.params.draft
+            k = min(k, s.max_new_tokens - len(s.output_ids) - 1)  # the last token is the target's
+            if k >= 1:
+                want.setdefault(name, []).append((s, k))
+        t0 = time.perf_counter()
+        for name, seqs in want.items():
+            self._proposals.update(self.proposers[name].propose(seqs))
+        if want:
+            self.stats.draft_s += time.perf_counter() - t0
+        for s in sched.running:
+            if s.request_id in self._proposals:
+                s.draft = self._proposals[s.request_id].tokens
+
+    def drafts(self, launch: Launch) -> Drafts | None:
+        """The draft tokens and their q of the launch's sampled verify rows (the rejection
+        rule's inputs); greedy rows need none (they keep the longest matching prefix)."""
+        out = {}
+        for i, r in enumerate(launch.rows):
+            if r.draft is not None and not r.seq.params.greedy:
+                q = self._proposals[r.seq.request_id].probs
+                out[i] = (r.draft, q[:len(r.draft)])
+        return out or None
 
     def launch(self, launch: Launch, slot: int) -> None:
         """Hand a step to the device; every sequence in it gains an in-flight reference."""
@@ -361,7 +467,12 @@ class Engine:
         self.steps += 1
         st.steps += 1
         st.decode_rows += sum(r.from_device for r in launch.rows)
-        st.prefill_tokens += sum(r.n for r in launch.rows if not r.from_device and not r.pad)
+        st.prefill_tokens += sum(r.n for r in launch.rows if not (r.from_device or r.pad or
+                                                                   r.draft is not None))
+        if launch.plan.verify is not None:
+            verify = [r for r in launch.rows if r.draft is not None]
+            st.verify_rows += len(verify)
+            st.draft_tokens += sum(len(r.draft) for r in verify)
         st.step_tokens.append(plan.num_tokens)
         if len(st.step_tokens) > 2 * STEP_TOKENS_KEPT:
             del st.step_tokens[:-STEP_TOKENS_KEPT]
@@ -400,8 +511,9 @@ class Engine:
     def finish_sampling(self, launch: Launch) -> None:
         """Masks, sample, start the device-to-host copy of the launch's tokens."""
         t0 = time.perf_counter()
+        drafts = self.drafts(launch) if launch.plan.verify is not None else None
         self.device.launch_sample(launch.slot, launch.plan, self.allowed(launch),
-                                  self.history(launch))
+                                  self.history(launch), drafts=drafts)
         self.device.launch_copy(launch.slot)
         launch.sampled = True
         self._span("sample", launch, t0)
@@ -417,19 +529,26 @@ class Engine:
         """
         now = t0 = time.perf_counter()
         assert not launch.committed, f"step {launch.plan.step} committed twice"
-        if len(tokens) != len(launch.rows):
+        if len(tokens) != launch.plan.num_samples:
             raise RuntimeError(f"step {launch.plan.step}: {len(tokens)} tokens for "
+                               f"{launch.plan.num_samples} sampled positions of "
                                f"{len(launch.rows)} rows (a stale or torn host buffer)")
         self.scheduler.step = launch.plan.step  # finish and release times are this commit's
         launch.committed = True  # from here on never again, whatever raises
         pieces: list[tuple[int, str]] = []
         done = 0
+        at = 0  # each row's first sampled position: a verify row has 1 + len(draft)
         try:
-            for i, (row, tok) in enumerate(zip(launch.rows, tokens)):
+            for i, row in enumerate(launch.rows):
                 done += 1  # counted first: an interrupt inside a row leaves it applied
+                n = 1 if row.draft is None else 1 + len(row.draft)
+                at += n
                 try:
-                    self._commit_row(row, tok, now, pieces,
-                                     launch.logprobs[i] if launch.logprobs else None)
+                    if row.draft is None:
+                        self._commit_row(row, tokens[at - 1], now, pieces,
+                                         launch.logprobs[i] if launch.logprobs else None)
+                    else:
+                        self._commit_verify(row, tokens[at - n:at], now, pieces)
                 except Exception as err:  # this request's own failure: it alone ends
                     self._fail(row.seq, err)
         finally:  # an interrupt between rows (never expected: decoders defer Ctrl-C)
@@ -462,6 +581,36 @@ class Engine:
             st.zombie_rows += 1
             sched.release_if_done(seq)
             return
+        self._emit(seq, tok, now, pieces, logprobs)
+        sched.release_if_done(seq)
+
+    def _commit_verify(self, row: Row, choices: list[int], now: float,
+                       pieces: list[tuple[int, str]]) -> None:
+        """A verify row: commit the longest prefix of the draft the target agrees with and the
+        target's token after it, one token at a time (a stop inside the run cuts it), then
+        roll the sequence's KV back to what it committed: pages that hold only rejected
+        positions return now."""
+        seq, sched, st = row.seq, self.scheduler, self.stats
+        seq.pending -= 1
+        seq.inflight_refs -= 1  # this step no longer references the sequence
+        if seq.finalized:  # cancelled since it was planned: a zombie
+            seq.zombie_rows += 1
+            st.zombie_rows += 1
+        else:
+            run = accept_greedy(row.draft, choices)
+            st.accepted_tokens += len(run) - 1
+            for tok in run:
+                seq.output_ids.append(tok)
+                if self._emit(seq, tok, now, pieces, None):
+                    break
+        # the KV of the committed context but its newest token (the next row's input) stays
+        sched.rollback(seq, min(seq.num_cached, seq.num_tokens - 1))
+        sched.release_if_done(seq)
+
+    def _emit(self, seq: Sequence, tok: int, now: float, pieces: list[tuple[int, str]],
+              logprobs: list[float] | None) -> bool:
+        """What follows appending a token: its time, logprobs and text; the stop conditions.
+        True when it ends the sequence."""
         seq.token_times_s.append(now - seq.arrival_s)
         if seq.params.logprobs is not None:
             assert logprobs is not None, f"step {self.scheduler.step}: no logprobs came back"
@@ -477,8 +626,8 @@ class Engine:
             if piece:
                 pieces.append((seq.request_id, piece))
         if reason is not None:
-            sched.finalize(seq, reason)
-        sched.release_if_done(seq)
+            self.scheduler.finalize(seq, reason)
+        return reason is not None
 
     def _fail(self, seq: Sequence, err: Exception) -> None:
         """End a request whose commit raised: the error's one line, its resources returned."""
@@ -602,3 +751,6 @@ class Engine:
         assert all(a.refcount(p) == 0 for p in range(a.num_blocks)), "a KV page has owners"
         assert sched.rows.num_free == sched.rows.size, "device rows still held"
         assert sched.adapters.num_free == sched.adapters.size, "adapter slots still held"
+        for name, proposer in self.proposers.items():
+            proposer.release(set())
+            assert proposer.pages_held() == 0, f"the {name} draft still holds KV pages"

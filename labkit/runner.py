@@ -19,12 +19,18 @@ from labkit.attention import BACKENDS, AttentionMeta
 from labkit.model import LlamaModel
 from labkit.paged_kv import ContiguousKVCache, PagedKVCache
 from labkit.sampling import (
+    Drafts,
     History,
     Penalties,
     SamplingBatch,
     SamplingParams,
+    accept_seed,
+    gumbel_noise,
+    rejection_sample,
     sample,
+    shaped_logits,
     token_logprobs,
+    uniform_noise,
 )
 
 
@@ -49,6 +55,11 @@ class StepPlan:
     row (one token, read on the device from `last_tokens[row]`, marked in `from_device`). A
     launch of decode rows only is "decode", of chunks only "prefill", of both "mixed".
 
+    Speculative decoding adds a *verify row* (labkit.speculative): a chunk of k + 1 tokens,
+    the last committed one and k drafted ones, sent from the host, whose logits at all k + 1
+    positions are sampled (`verify[i]` = k + 1; None: one position for every row), so that
+    the step returns `sum(verify)` tokens, each row's in order.
+
     Parallel sampling adds a *fork row*: no tokens (query length 0), it samples from the
     logits of the row that prefilled its prompt (`sample_from`). `copies`: pages to copy
     before the forward, (source, destination), the copy-on-write of a shared page that a row
@@ -66,6 +77,7 @@ class StepPlan:
     from_device: list[bool] | None = None  # mixed: rows whose input is the last sampled token
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) page
     sample_from: list[int] | None = None  # each row's logits row (None: every row its own)
+    verify: list[int] | None = None  # positions each row samples (None: its last only)
 
     def __post_init__(self) -> None:
         n = len(self.rows)
@@ -74,6 +86,8 @@ class StepPlan:
         assert (self.kind == "decode") == (self.tokens is None), "decode reads last_tokens"
         assert self.kind != "mixed" or (self.from_device is not None
                                         and len(self.from_device) == n)
+        assert self.verify is None or (len(self.verify) == n and all(
+            1 <= v <= max(q, 1) for v, q in zip(self.verify, self.query_lens))), self.verify
 
     @property
     def batch_size(self) -> int:
@@ -97,7 +111,7 @@ class StepPlan:
             self, rows=pick(self.rows), query_lens=pick(self.query_lens),
             starts=pick(self.starts), block_tables=pick(self.block_tables),
             params=pick(self.params), from_device=pick(self.from_device), copies=[],
-            sample_from=None)
+            sample_from=None, verify=pick(self.verify))
 
     def logits_index(self) -> list[int] | None:
         """For each row, its logits' row in the forward's output (which has no fork rows)."""
@@ -113,6 +127,18 @@ class StepPlan:
     def counters(self) -> list[int]:
         """Position of the token each row samples: the per-request sampling counter."""
         return [s + q for s, q in zip(self.starts, self.query_lens)]
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens the step samples: one per row, k + 1 per verify row."""
+        return len(self.rows) if self.verify is None else sum(self.verify)
+
+    def sampled_rows(self) -> list[tuple[int, int]]:
+        """(row, counter) of each token the step samples, in order: a verify row's k + 1
+        positions sample the tokens that follow each of its query tokens."""
+        v = self.verify or [1] * len(self.rows)
+        return [(i, c - n + 1 + j) for i, (c, n) in enumerate(zip(self.counters, v))
+                for j in range(n)]
 
 
 def logprobs_width(plan: StepPlan) -> int | None:
@@ -203,7 +229,12 @@ class ModelRunner:
         if on_staged is not None:
             on_staged()
         self.backend.begin_step(meta)
-        return self.model(input_ids, meta.positions, self.backend, logit_rows=meta.last_rows)
+        logit_rows = meta.last_rows
+        if plan.verify is not None:  # verify rows: the logits of their last k + 1 tokens
+            ends = torch.tensor(plan.query_lens).cumsum(0).tolist()
+            logit_rows = self.to_device([e - v + j for e, v in zip(ends, plan.verify)
+                                         for j in range(v)])
+        return self.model(input_ids, meta.positions, self.backend, logit_rows=logit_rows)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write, on the device, in launch order: each (source, destination) page."""
@@ -213,14 +244,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, plan: StepPlan, logits: torch.Tensor, allowed: torch.Tensor | None = None,
-               on_staged: Callable[[], object] | None = None, history: History | None = None
-               ) -> torch.Tensor:
+               on_staged: Callable[[], object] | None = None, history: History | None = None,
+               drafts: Drafts | None = None) -> torch.Tensor:
         """Choose each row's next token on the device and remember it in last_tokens: [B]
         (`on_staged` as in `forward`; `history`: the used tokens of rows with penalties).
 
         Rows that asked for log-probabilities leave them in `last_logprobs` ([B, 1 + 2k],
         see `token_logprobs`; None when no row asked), for the copy to the host.
         """
+        if plan.verify is not None:
+            return self._sample_verify(plan, logits, allowed, history, on_staged, drafts)
         index = plan.logits_index()
         if index is not None:  # fork rows draw from their prompt's logits
             logits = logits[self.to_device(index)]
@@ -235,3 +268,66 @@ class ModelRunner:
         k = logprobs_width(plan)
         self.last_logprobs = None if k is None else token_logprobs(logits, tokens, k)
         return tokens
+
+    def _sample_verify(self, plan: StepPlan, logits: torch.Tensor, allowed: torch.Tensor | None,
+                       history: History | None, on_staged: Callable[[], object] | None,
+                       drafts: Drafts | None) -> torch.Tensor:
+        """`sample` for a step with verify rows: every position of a verify row is sampled
+        like a row of its own (its own counter), then a sampled request's positions are
+        replaced by the rejection rule's choices (`drafts`: its draft tokens and their q).
+        Returns [plan.num_samples] tokens; `last_tokens` gets each row's last one."""
+        # logits: [sum(verify of computed rows), V], each computed row's positions in order
+        which = plan.sampled_rows()  # (row, counter) per sampled position
+        if plan.sample_from is not None:  # fork rows draw from their prompt row's last logits
+            first = torch.tensor([0] + [v for v, q in zip(plan.verify, plan.query_lens)
+                                        if q > 0]).cumsum(0).tolist()  # of computed rows
+            index = plan.logits_index()
+            logits = logits[self.to_device(
+                [first[index[i]] + j if plan.sample_from[i] == i else first[index[i] + 1] - 1
+                 for i, j in _positions(plan.verify)])]
+        rows_of = [i for i, _ in which]
+        params = [plan.params[i] for i in rows_of]
+        vocab = logits.shape[-1]
+        batch = SamplingBatch.build(params, [c for _, c in which], vocab, self.to_device)
+        last = torch.tensor(plan.verify).cumsum(0).sub(1).tolist()  # each row's last position
+        # masks and penalties belong to rows that are not verify rows (the engine refuses
+        # them with speculation): their one position is their row's last
+        if allowed is not None:
+            allowed = allowed[self.to_device(rows_of)]
+        if history:
+            history = {last[i]: h for i, h in history.items()}
+        penalties = Penalties.build(history, params, vocab, self.device, self.to_device)
+        if on_staged is not None:
+            on_staged()
+        tokens = sample(logits, batch, allowed, penalties=penalties)  # [S]
+        for i, (draft, q) in (drafts or {}).items():
+            k = plan.verify[i] - 1
+            pos = slice(last[i] - k, last[i] + 1)
+            sub = SamplingBatch.build([plan.params[i]] * (k + 1),
+                                      [c for _, c in which[pos]], vocab, self.to_device)
+            p = torch.softmax(shaped_logits(logits[pos].float(), sub), -1)  # [k + 1, V]
+            seeds = self.to_device([accept_seed(plan.params[i].seed)] * k)
+            u = uniform_noise(seeds, sub.counter[:k], 1)[:, 0]  # [k] in (0, 1)
+            tokens[pos] = rejection_sample(p, q, self.to_device(draft), u,
+                                           gumbel_noise(sub, vocab))
+        # each row's next input: a verify row's is the choice after its accepted run (the rule
+        # the host applies at commit, `labkit.speculative.accepted`), so that a decode row
+        # that follows it reads the committed token
+        chosen = list(last)
+        at = 0
+        for i, (v, q) in enumerate(zip(plan.verify, plan.query_lens)):
+            at += q
+            if v > 1:
+                draft = self.to_device(plan.tokens[at - v + 1:at])  # [k]
+                agree = (tokens[last[i] - v + 1:last[i]] == draft).long().cumprod(0)  # [k]
+                chosen[i] = last[i] - v + 1 + int(agree.sum())
+        self.last_tokens[self.to_device(plan.rows)] = tokens[self.to_device(chosen)]
+        k = logprobs_width(plan)
+        self.last_logprobs = None if k is None else token_logprobs(
+            logits[self.to_device(last)], tokens[self.to_device(last)], k)
+        return tokens
+
+
+def _positions(verify: list[int]) -> list[tuple[int, int]]:
+    """(row, j) of each sampled position: j = 0 .. verify[row] - 1."""
+    return [(i, j) for i, v in enumerate(verify) for j in range(v)]

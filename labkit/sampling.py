@@ -31,6 +31,9 @@ FLOAT32_TINY = float(np.finfo(np.float32).smallest_subnormal)
 MIN_TEMPERATURE = 1e-6
 MAX_LOGPROBS = 20  # alternatives a request may ask for per token (the OpenAI API's limit)
 MAX_SAMPLES = 128  # parallel samples of one prompt (OpenAI allows 128 choices)
+# speculative decoding (labkit.speculative): who drafts, and at most how many tokens a step
+PROPOSERS = ("int4", "int8", "ngram")  # a quantized copy of the model, or prompt lookup
+MAX_DRAFT = 16
 
 
 def _mix64(x: int) -> int:
@@ -72,6 +75,9 @@ class SamplingParams:
     # None: no log-probabilities; k: each token's, and the k most likely in its place
     logprobs: int | None = None
     n: int = 1  # parallel sampling: answers to draw for the prompt (see `sample`)
+    # speculative decoding: "<proposer>:<k>", k tokens drafted per step by a proposer of
+    # PROPOSERS ("int4:4", "ngram:3"), verified by the model in one launch; None: off
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         # bool is an int in Python, and JSON's `true` arrives as one: never a number here
@@ -117,6 +123,8 @@ class SamplingParams:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
             raise ValueError(f"n must be an integer in [1, {MAX_SAMPLES}] (answers per prompt), "
                              f"got {self.n!r}")
+        if self.speculative is not None:
+            parse_speculative(self.speculative)
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
         ints = ("max_new_tokens", "seed", "n") + (("top_k",) if self.top_k is not None else ()) + (
@@ -140,10 +148,25 @@ class SamplingParams:
         return dataclasses.replace(self, n=1, seed=seed)
 
     @property
+    def draft(self) -> tuple[str, int] | None:
+        """Speculative decoding's (proposer, k), or None when it is off."""
+        return None if self.speculative is None else parse_speculative(self.speculative)
+
+    @property
     def penalized(self) -> bool:
         """True when the tokens already used change the logits."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+def parse_speculative(spec: str) -> tuple[str, int]:
+    """"int4:4" -> ("int4", 4): the proposer and the tokens it drafts per step."""
+    proposer, _, k = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if proposer not in PROPOSERS or not k.isdigit() or not 1 <= int(k) <= MAX_DRAFT:
+        raise ValueError(f"speculative must be '<proposer>:<k>' with a proposer of {PROPOSERS} "
+                         f"and k in 1..{MAX_DRAFT} drafted tokens per step (e.g. 'int4:4', "
+                         f"'ngram:3'), got {spec!r}")
+    return proposer, int(k)
 
 
 @dataclass
@@ -249,6 +272,19 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 History = dict[int, tuple[list[int], list[int]]]  # batch row -> (prompt ids, output ids)
+# speculative decoding, a verify step's sampled rows: row -> (draft tokens, their q [k, V])
+Drafts = dict[int, tuple[list[int], torch.Tensor]]
+
+
+def draft_seed(seed: int) -> int:
+    """The seed of a request's draft stream (labkit.speculative): independent of the target's
+    draws and of the acceptance draws, and keyed by (seed, token index) like them."""
+    return (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**63
+
+
+def accept_seed(seed: int) -> int:
+    """The seed of a request's acceptance draws (the u of u < p/q)."""
+    return (seed * 0xD1B54A32D192ED03 + 0x8CB92BA72F3D8DD7) % 2**63
 
 
 @dataclass
@@ -342,14 +378,50 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | N
     greedy_tokens = logits.argmax(dim=-1)  # [B]
     if all_greedy if all_greedy is not None else batch.all_greedy:
         return greedy_tokens
+    # Gumbel-max: a draw from softmax(scaled). The noise is finite (hash_to_unit), so a token
+    # that a filter or a mask removed stays at -inf + noise = -inf: it is never drawn
+    sampled = (shaped_logits(logits, batch) + gumbel_noise(batch, logits.shape[1])).argmax(-1)
+    return torch.where(batch.temperature > 0, sampled, greedy_tokens)
+
+
+def shaped_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Logits divided by each row's temperature, cut by its top-k and top-p: [B, V] float.
+    Their softmax is the distribution a sampled row draws from."""
+    # logits: [B, V] float (penalties and masks already applied)
     temp = torch.where(batch.temperature > 0, batch.temperature, 1.0)
     scaled = logits / temp[:, None]
     if batch.any_top_k:  # each filter sorts every row: skipped when no row cuts
         scaled = top_k_filter(scaled, batch.top_k)
     if batch.any_top_p:
         scaled = top_p_filter(scaled, batch.top_p)
-    gumbel = -torch.log(-torch.log(uniform_noise(batch.seed, batch.counter, logits.shape[1])))
-    # Gumbel-max: a draw from softmax(scaled). The noise is finite (hash_to_unit), so a token
-    # that a filter or a mask removed stays at -inf + noise = -inf: it is never drawn
-    sampled = (scaled + gumbel).argmax(dim=-1)
-    return torch.where(batch.temperature > 0, sampled, greedy_tokens)
+    return scaled
+
+
+def gumbel_noise(batch: SamplingBatch, vocab_size: int) -> torch.Tensor:
+    """Gumbel noise [B, V] keyed by each row's (seed, counter): finite everywhere."""
+    return -torch.log(-torch.log(uniform_noise(batch.seed, batch.counter, vocab_size)))
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch.Tensor,
+                     gumbel: torch.Tensor) -> torch.Tensor:
+    """Speculative sampling's rule: the target's choice at each of the k + 1 positions, [k + 1].
+
+    Draft token d_j (drawn from q_j) is accepted with probability min(1, p_j(d)/q_j(d)); where
+    it is rejected the choice is drawn from the residual max(0, p_j - q_j), normalised, and
+    position k (the bonus) draws from p_k. The accepted prefix plus the next choice is then
+    distributed exactly as k + 1 draws from the target (Leviathan et al. 2023, Chen et al.
+    2023). A rejected position never chooses its draft (the residual is 0 there), so the
+    caller recovers the accepted run as the longest prefix where choice == draft.
+    """
+    # p: [k+1, V] target probabilities; q: [k, V] draft probabilities; draft: [k] long;
+    # u: [k] uniform in (0, 1); gumbel: [k+1, V] finite Gumbel noise
+    k = draft.shape[0]
+    p_d = p[:k].gather(1, draft[:, None])[:, 0]  # [k]
+    q_d = q.gather(1, draft[:, None])[:, 0]  # [k]
+    accept = u * q_d < p_d  # u < p/q: probability min(1, p/q), no division by a zero q
+    residual = (p[:k] - q).clamp(min=0)  # [k, V]
+    # a row with no residual mass (p == q in float) never rejects; p keeps its draw defined
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:k])
+    resampled = (residual.log() + gumbel[:k]).argmax(-1)  # [k]: a draw from the residual
+    bonus = (p[k].log() + gumbel[k]).argmax(-1, keepdim=True)  # [1]: a draw from p_k
+    return torch.cat([torch.where(accept, draft, resampled), bonus])

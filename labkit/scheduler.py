@@ -88,6 +88,9 @@ class Row:
     from_device: bool  # its one input token is the last one sampled, read on the device
     pad: bool = False  # static batching: a finished member kept in the batch as padding
     sample_from: int | None = None  # a fork row: the launch row whose logits it samples
+    # a verify row (speculative decoding): the drafted tokens after the last committed one;
+    # the row computes both and samples all n = 1 + len(draft) positions
+    draft: list[int] | None = None
 
 
 def blocks_for(seq: Sequence, upto: int, block_size: int) -> int:
@@ -190,14 +193,22 @@ class Scheduler:
         # planning can end the batch and release them)
         padding = [s for s in self.running if static and s.finalized and not s.released]
         budget -= len(padding)
+        # speculative drafts take what the budget leaves beyond one token per decode row
+        spare = budget - sum(1 for s in self.running if s.decoding and not (
+            s.preempted or s.released or s.finalized))
         for s in list(self.running):  # 1. decode rows, arrival order
-            if s.preempted or s.released or s.finalized:
+            if s.preempted or s.released or s.finalized or not s.decoding:
                 continue
-            if not s.decoding or not self._grow(s, s.num_cached + 1, planned):
+            draft = self._draft_fits(s, spare)
+            if not self._grow(s, s.num_cached + 1 + len(draft), planned):
                 continue
-            rows.append(Row(s, s.num_cached, 1, True, True))
+            if draft:  # a verify row: the last committed token and the draft, from the host
+                rows.append(Row(s, s.num_cached, 1 + len(draft), True, False, draft=draft))
+            else:
+                rows.append(Row(s, s.num_cached, 1, True, True))
             planned.add(s.request_id)
-            budget -= 1
+            budget -= rows[-1].n
+            spare -= len(draft)
             self._written(rows[-1])
         if static and not self.running:  # a static batch is admitted whole, then runs until
             while self._admit_one() is not None:  # every member has left
@@ -227,6 +238,31 @@ class Scheduler:
         if rows:  # padding beside live rows only: a step of padding alone computes nothing
             rows += [Row(s, 0, 1, False, False, pad=True) for s in padding if not s.released]
         return rows
+
+    def _draft_fits(self, seq: Sequence, spare: int) -> list[int]:
+        """The part of `seq.draft` (set by the engine's proposer) this step runs: within the
+        budget's spare tokens and the free pages (a draft never preempts anyone)."""
+        if not seq.draft or spare <= 0:
+            return []
+        assert seq.pending == 0, "a verify row needs its last token on the host (blocking loop)"
+        draft = seq.draft[:spare]
+        end = seq.num_cached + 1 + len(draft)
+        need = blocks_for(seq, end, self.block_size) + len(
+            self._shared_in(seq, seq.num_cached, end))
+        return draft if need <= self.allocator.num_free else []
+
+    def rollback(self, seq: Sequence, num_cached: int) -> None:
+        """Forget the KV of positions >= num_cached (a verify row's rejected drafts): the
+        sequence's length goes back, and pages holding only those positions return to the
+        pool. They were never named in the prefix cache (a verify row's tokens are not known
+        when it is planned), so no cached page ever holds an unaccepted token."""
+        assert num_cached <= seq.num_cached, (num_cached, seq.num_cached)
+        seq.num_cached = num_cached
+        if self.kv_reserve == "on_demand" and not seq.released:
+            keep = blocks_needed(num_cached, self.block_size)
+            extra, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+            self.allocator.free(extra)
+            self._count("draft_pages_returned", len(extra))
 
     def _fork(self, seq: Sequence, row: int, rows: list[Row], planned: set[int]) -> None:
         """`seq`'s prompt is complete in this launch: its attached forks share every page of it
@@ -279,7 +315,8 @@ class Scheduler:
         if r.emits:
             s.pending += 1
             s.decoding = True
-        if not r.from_device and self.prefix is not None:  # its tokens are known: name pages
+        if not r.from_device and r.draft is None and self.prefix is not None:
+            # its tokens are known (a verify row's drafts are only guesses): name full pages
             s.page_hashes = self.prefix.register(s.context, s.adapter or 0, s.block_table,
                                                  s.page_hashes, s.num_cached)
 

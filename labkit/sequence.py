@@ -81,6 +81,8 @@ class Sequence:
     fork_of: Sequence | None = None
     forks: list[Sequence] = field(default_factory=list)  # the sequences forked from this one
     attached: bool = False
+    # speculative decoding: the tokens the proposer drafted for the step being planned
+    draft: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

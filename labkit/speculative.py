@@ -1,54 +1,252 @@
-"""Speculative decoding (chapter 09): guess k tokens cheaply, check them in one step of the
-real model, keep the longest correct prefix.
+"""Speculative decoding: draft k tokens cheaply, verify them with the model in one launch.
 
-A decode step is bound by reading the weights (chapters 01 and 03), so a step over the last
-committed token and k guesses costs about one step, not k + 1. The rules every speculative step
-follows are here, as pure functions the chapter's exercises mirror:
+A decode step of a small model on one stream reads every weight to make one token: its cost is
+memory traffic, nearly the same for 1 token as for 9. So a cheap *proposer* guesses the next k
+tokens, and the model (the *target*) runs the last committed token plus the k guesses as one
+chunk of k + 1 query tokens, through the same engine, paged KV and scheduler as any row. Its
+logits at every position say what it would have chosen there:
 
-- `expected_tokens(alpha, k)`: tokens a step commits when each guess is right with probability
-  alpha: (1 - alpha^(k+1)) / (1 - alpha);
-- `accept_greedy(draft, target)`: the agreeing prefix, then the target's own token;
-- `accept_sampled(draft, q, p, uniform, sample)`: speculative sampling's rejection rule, whose
-  committed tokens are distributed exactly as the target's;
-- `rollback(kv_len, accepted, pages, block_size)`: the KV entries and pages a verify leaves.
+- greedy requests keep the longest prefix of the draft that matches the target's argmax, plus
+  the target's own token after it (the correction, or the *bonus* when all k matched): the
+  output is token for token what plain decoding gives;
+- sampled requests use the rejection rule (`labkit.sampling.rejection_sample`): the draft's
+  token is kept with probability min(1, p/q), and the first rejected one is redrawn from
+  max(0, p - q), normalised, so the output is distributed exactly as the target's.
+
+Either way one verify launch commits between 1 and k + 1 tokens. If each draft token is
+accepted with probability alpha (independently), the expected number is
+
+    E[tokens per step] = 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)
+
+and the step costs k draft steps plus one verify of k + 1 rows (`predicted_speedup`). The KV the
+target wrote for rejected positions is discarded: the sequence's length rolls back, and pages
+that hold only rejected positions return to the pool at commit (`Scheduler.rollback`).
+
+Two proposers share one signature, `propose(seqs) -> {request id: Proposal}`:
+
+- `PromptLookup` ("ngram"): the continuation of the longest earlier n-gram of the context
+  that matches its tail; no model at all (summaries and code edits repeat their input);
+- `DraftModel` ("int4", "int8"): a quantized copy of the model drafts k tokens with its own
+  paged KV cache, the same block size and pool size as the target's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-# ---- the rules chapter 09's exercises mirror (pure functions: no engine, no model) ----------
+from labkit.paged_kv import BlockAllocator, blocks_needed
+from labkit.runner import ModelRunner, StepPlan
+from labkit.sampling import (
+    SamplingBatch,
+    SamplingParams,
+    draft_seed,
+    gumbel_noise,
+    shaped_logits,
+)
+
+MAX_NGRAM = 8  # prompt lookup tries tails of MAX_NGRAM tokens first, then shorter ones
 
 
 def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one verify step commits on average, when each draft token is accepted with
-    probability `alpha`, independently, and a rejection ends the run: the accepted prefix
-    plus one token from the target (the bonus after k acceptances, or the resample at the
-    first rejection), 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha); k + 1 at
-    alpha = 1."""
-    if not 0.0 <= alpha <= 1.0 or k < 0:
-        raise ValueError(f"alpha must be in [0, 1] and k >= 0, got alpha={alpha}, k={k}")
-    if alpha == 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    """Tokens one verify step commits on average: (1 - alpha^(k+1)) / (1 - alpha)."""
+    if not 0 <= alpha <= 1 or k < 0:
+        raise ValueError(f"expected_tokens: alpha must be in [0, 1] and k >= 0, got "
+                         f"alpha={alpha}, k={k}")
+    if alpha == 1:
+        return k + 1.0  # the limit of the geometric sum
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
-    """The tokens a greedy verify step commits. `target[i]` is the target model's greedy token
-    after the chunk's first i + 1 inputs (the last committed token, then draft[:i]): k + 1 of
-    them for k drafts. The longest prefix of `draft` that equals `target`, then the target's
-    own token at the first mismatch, or its bonus token target[k] when every draft matched."""
-    if len(target) != len(draft) + 1:
-        raise ValueError(f"a verify of {len(draft)} drafts yields {len(draft) + 1} target "
-                         f"tokens, got {len(target)}")
-    out = []
-    for d, t in zip(draft, target):
-        if d != t:
-            return out + [t]
-        out.append(d)
-    return out + [target[len(draft)]]
+def predicted_speedup(alpha: float, k: int, draft_s: float, verify_s: float,
+                      plain_s: float) -> float:
+    """Speedup over plain decoding: expected tokens per step times the plain step's time,
+    over one speculative step (k draft steps of `draft_s` plus one verify of `verify_s`)."""
+    return expected_tokens(alpha, k) * plain_s / (k * draft_s + verify_s)
+
+
+def accept_greedy(draft: list[int], choices: list[int]) -> list[int]:
+    """The tokens a verify step commits: the longest prefix of `draft` that matches the
+    target's `choices` at the same positions, then the target's choice after it."""
+    # choices: k + 1 tokens, the target's at positions 0..k (position j follows draft[:j])
+    if len(choices) != len(draft) + 1:
+        raise ValueError(f"accept_greedy: {len(choices)} choices for {len(draft)} draft tokens "
+                         "(the target chooses at every draft position and the bonus one)")
+    a = 0
+    while a < len(draft) and draft[a] == choices[a]:
+        a += 1
+    return list(draft[:a]) + [choices[a]]
+
+
+@dataclass
+class Proposal:
+    """A proposer's guess for one sequence: the tokens, and for a sampled request the
+    distribution each was drawn from (None: drawn deterministically, a one-hot q)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V] float: q of each draft position
+
+
+def one_hot_probs(tokens: list[int], vocab: int) -> torch.Tensor:
+    """q of a deterministic proposer: all mass on the drafted token, [k, V]."""
+    q = torch.zeros(len(tokens), vocab)
+    q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)] = 1.0
+    return q
+
+
+class PromptLookup:
+    """Drafts by prompt lookup: find the most recent earlier occurrence of the context's
+    longest tail n-gram (n = MAX_NGRAM down to 1), and propose the k tokens that followed it."""
+
+    name = "ngram"
+
+    def __init__(self, vocab_size: int, max_ngram: int = MAX_NGRAM):
+        self.vocab_size, self.max_ngram = vocab_size, max_ngram
+
+    def lookup(self, context: list[int], k: int) -> list[int]:
+        """Up to k tokens continuing the latest earlier match of the context's tail."""
+        ctx = np.asarray(context, dtype=np.int64)
+        n_ctx = len(ctx)
+        for n in range(min(self.max_ngram, n_ctx - 1), 0, -1):
+            # windows starting at i = 0 .. n_ctx - n - 1: every n-gram but the tail itself
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)  # [n_ctx - n, n]
+            hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n  # the token after the most recent match
+                return ctx[start:start + k].tolist()
+        return []
+
+    def propose(self, seqs: list[tuple[object, int]]) -> dict[int, Proposal]:
+        """A proposal for each (sequence, k) whose context has an earlier match."""
+        out = {}
+        for seq, k in seqs:
+            tokens = self.lookup(seq.context, k)
+            if tokens:
+                out[seq.request_id] = Proposal(tokens, None if seq.params.greedy else
+                                               one_hot_probs(tokens, self.vocab_size))
+        return out
+
+    def release(self, live: set[int]) -> None:
+        """Nothing is held per sequence."""
+
+    def pages_held(self) -> int:
+        """No KV pages: prompt lookup has no model."""
+        return 0
+
+
+@dataclass
+class _DraftState:
+    table: list[int]  # the draft pool's pages of this sequence
+    tokens: list[int]  # the tokens whose KV those pages hold, positions 0..len - 1
+
+
+class DraftModel:
+    """Drafts with a smaller copy of the model (its int4 or int8 quantization), which keeps its
+    own paged KV cache: per sequence, the tokens it has computed. Each call catches up on what
+    the target committed since (the accepted tokens and the correction: a chunk of a few
+    tokens), then decodes k - 1 more, all sequences batched in each of its k launches."""
+
+    def __init__(self, name: str, model, num_blocks: int, block_size: int, max_seqs: int,
+                 attention: str | None = None):
+        self.name = name
+        self.model = model
+        self.block_size, self.max_seqs = block_size, max_seqs
+        self.allocator = BlockAllocator(num_blocks)
+        self.runner = ModelRunner(model, num_blocks, block_size, max_seqs, "paged",
+                                  attention=attention)
+        self.vocab_size = model.cfg.vocab_size
+        self._state: dict[int, _DraftState] = {}
+        self.steps = 0  # draft launches (for the cost model)
+
+    def release(self, live: set[int]) -> None:
+        """Return the pages of sequences no longer running (ids not in `live`)."""
+        for rid in [r for r in self._state if r not in live]:
+            self.allocator.free(self._state.pop(rid).table)
+
+    def pages_held(self) -> int:
+        """Draft KV pages in use."""
+        return self.allocator.num_used
+
+    def propose(self, seqs: list[tuple[object, int]]) -> dict[int, Proposal]:
+        """k draft tokens for each (sequence, k), in max(k) batched launches of the draft."""
+        jobs = []  # (seq, k, state, first position to compute)
+        for seq, k in seqs:
+            ctx = seq.context
+            st = self._state.setdefault(seq.request_id, _DraftState([], []))
+            valid = 0  # positions whose draft KV holds this context's tokens
+            limit = min(len(st.tokens), len(ctx) - 1)  # the last token is fed again: logits
+            while valid < limit and st.tokens[valid] == ctx[valid]:
+                valid += 1
+            need = blocks_needed(len(ctx) + k - 1, self.block_size) - len(st.table)
+            if need > self.allocator.num_free:
+                continue  # the draft pool is full: this sequence decodes plainly this step
+            st.table += self.allocator.allocate(max(need, 0))
+            st.tokens = st.tokens[:valid]
+            jobs.append((seq, k, st, valid))
+        drafts = {seq.request_id: [] for seq, *_ in jobs}
+        probs = {seq.request_id: [] for seq, *_ in jobs}
+        for r in range(max((k for _, k, _, _ in jobs), default=0)):
+            active = [j for j in jobs if j[1] > r]
+            tokens, qlens, starts, params = [], [], [], []
+            for seq, _, st, valid in active:
+                ctx = seq.context
+                new = ctx[valid:] if r == 0 else drafts[seq.request_id][-1:]
+                start = valid if r == 0 else len(ctx) - 1 + r
+                tokens += new
+                qlens.append(len(new))
+                starts.append(start)
+                st.tokens += new
+                params.append(seq.params)
+            for i in range(0, len(active), self.max_seqs):  # at most max_seqs rows a launch
+                part = slice(i, i + self.max_seqs)
+                n_tok = sum(qlens[:i])
+                rows = active[part]
+                plan = StepPlan(self.steps, "prefill", list(range(len(rows))), qlens[part],
+                                starts[part], [st.table for _, _, st, _ in rows],
+                                tokens[n_tok:n_tok + sum(qlens[part])], params[part])
+                self.steps += 1
+                logits = self.runner.forward(plan)  # [B, V]
+                chosen, q = self._choose(logits, params[part], plan.counters)
+                for (seq, *_), tok, qi in zip(rows, chosen, q):
+                    drafts[seq.request_id].append(tok)
+                    probs[seq.request_id].append(qi)
+        return {rid: Proposal(toks, None if probs[rid][0] is None else torch.stack(probs[rid]))
+                for rid, toks in drafts.items()}
+
+    @torch.inference_mode()
+    def _choose(self, logits: torch.Tensor, params: list[SamplingParams], counters: list[int]
+                ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Each row's draft token: the argmax for a greedy request; for a sampled one a draw
+        from q, the draft's own distribution under the request's settings, on the draft seed
+        stream (returned with q, which the rejection rule needs)."""
+        # logits: [B, V]
+        logits = logits.float()
+        tokens = logits.argmax(-1)
+        q: list[torch.Tensor | None] = [None] * len(params)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            ps = [dataclasses.replace(params[i], seed=draft_seed(params[i].seed))
+                  for i in sampled]
+            batch = SamplingBatch.build(ps, [counters[i] for i in sampled], self.vocab_size)
+            shaped = shaped_logits(logits[sampled], batch)  # [S, V]
+            drawn = (shaped + gumbel_noise(batch, self.vocab_size)).argmax(-1)
+            tokens[sampled] = drawn
+            for j, i in enumerate(sampled):
+                q[i] = torch.softmax(shaped[j], -1)
+        return tokens.tolist(), q
+
+
+Proposer = PromptLookup | DraftModel
+
+
+# ---- the rules as chapter 09's exercises state them: one token at a time --------------------
+# (`accept_greedy` and `expected_tokens` above are the engine's own; the sampled rule runs
+# batched on the device as `labkit.sampling.rejection_sample`, and the rollback of pages in
+# `Scheduler.rollback`: these two are their readable, one-sequence statements)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "step": ("labkit.bench.step", "a decode step by phase; engine step vs bare forward"),
     "quant": ("labkit.bench.quant", "fp32 against int8/int4 weights: step ms, tokens/s, NLL"),
     "ablation": ("labkit.bench.ablation", "the whole engine, each feature off in turn"),
+    "spec": ("labkit.bench.spec", "speculative decoding (int4 draft, prompt lookup) vs plain"),
 }
 
 

@@ -143,15 +143,17 @@ def chat_workload(tok, n: int, lengths: tuple[int, ...] = OUTPUT_LENGTHS
 
 
 def run_labkit(engine, work: list[tuple[list[int], int]],
-               on_tokens: Callable[[int], object] | None = None, decoder: str = "blocking"
-               ) -> tuple[float, int, list[list[int]]]:
+               on_tokens: Callable[[int], object] | None = None, decoder: str = "blocking",
+               speculative: str | None = None) -> tuple[float, int, list[list[int]]]:
     """All requests through the engine at once: (seconds, tokens, output ids per request).
 
-    `on_tokens(1)` is called for each piece of text detokenized (a progress bar's update).
+    `on_tokens(1)` is called for each piece of text detokenized (a progress bar's update);
+    `speculative`: every request decodes speculatively ("int4:4", "ngram:3").
     """
     import labkit
 
-    params = [labkit.SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in work]
+    params = [labkit.SamplingParams(max_new_tokens=n, ignore_eos=True, speculative=speculative)
+              for _, n in work]
     on_text = None if on_tokens is None else (lambda i, text: on_tokens(1))
     engine.clear_prefix_cache()  # cold, as a fresh engine: no reuse of an earlier round
     t0 = time.perf_counter()
@@ -233,7 +235,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
                    quick: bool = False, rounds: int = 1, log: Callable[[str], None] = print,
                    attention: str = "paged", quant: str | None = None,
                    decoder: str = "blocking", kv_tokens: int = 16384,
-                   max_step_tokens: int | None = 512) -> dict:
+                   max_step_tokens: int | None = 512, speculative: str | None = None) -> dict:
     """labkit against transformers on the same requests; throughput of each and the ratio."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -258,11 +260,14 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
                          f"smollm2-135m or a Hugging Face checkpoint directory, got {model!r}")
     pad_id = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else tok.eos_id
     work = chat_workload(tok, streams, QUICK_LENGTHS if quick else OUTPUT_LENGTHS)
+    draft = labkit.SamplingParams(speculative=speculative).draft if speculative else None
+    drafts = ({draft[0]: load_model(model, quant=draft[0])[0]}
+              if draft and draft[0] != "ngram" else {})
     engine = labkit.Engine(m, tok, max_seqs=max(streams, 1), attention=attention,
-                           kv_tokens=kv_tokens, max_step_tokens=max_step_tokens)
+                           kv_tokens=kv_tokens, max_step_tokens=max_step_tokens, drafts=drafts)
 
     warm = [(ids, 4) for ids, _ in work[:2]]  # first calls pay for allocation and dispatch
-    run_labkit(engine, warm, decoder=decoder)
+    run_labkit(engine, warm, decoder=decoder, speculative=speculative)
     run_hf(hf, warm, pad_id, "grouped")
     totals = {"labkit": [0.0, 0], "grouped": [0.0, 0], "padded": [0.0, 0]}
     outputs = {}
@@ -281,7 +286,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
                           leave=False) as bar:
                 if who == "labkit":
                     before = engine.stats.prefill_tokens
-                    s, n, outs = run_labkit(engine, work, bar.update, decoder)
+                    s, n, outs = run_labkit(engine, work, bar.update, decoder, speculative)
                     computed.append(engine.stats.prefill_tokens - before)
                 else:
                     s, n, outs = run_hf(hf, work, pad_id, who, bar.update)
@@ -302,6 +307,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
         "hf_grouped_tok_s": rate["grouped"], "hf_padded_tok_s": rate["padded"],
         "same_tokens_as_hf": agree, "model": model, "quant": quant or "none",
         "decoder": decoder, "attention": attention, "torch": torch.__version__,
+        "speculative": speculative,
         "round1_ratio": round1["labkit"] / max(round1["grouped"], round1["padded"]),
         "kernel_paths": kernel_paths(m, attention),
         "prompt_tokens": sum(len(ids) for ids, _ in work),
@@ -322,12 +328,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="8 requests, 4-16 new tokens each")
     add_engine_flags(p, batching=False,
                      model_help="smollm2-135m or a Hugging Face checkpoint directory")
+    p.add_argument("--speculative", default=None, metavar="PROPOSER:K",
+                   help="labkit decodes speculatively: int4:K, int8:K or ngram:K "
+                        "(blocking decoder)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
     try:
         engine_kw = engine_kwargs(args)
     except ValueError as err:
         p.error(str(err))
+    if args.speculative is not None:
+        from labkit.sampling import parse_speculative
+
+        try:
+            parse_speculative(args.speculative)
+        except ValueError as err:
+            p.error(f"--speculative: {err}")
+        if args.decoder != "blocking":
+            p.error("--speculative needs --decoder blocking (the pipelined decoder plans a "
+                    "step before the previous one's accepted tokens are known)")
     if not 1 <= args.streams <= len(INSTRUCTIONS):
         p.error(f"--streams must be in 1..{len(INSTRUCTIONS)}")
     if args.threads is not None and args.threads < 1:
@@ -341,7 +360,7 @@ def main(argv: list[str]) -> int:
     def measure() -> list[dict]:
         return [bench_generate(args.streams, args.threads, args.model, args.quick, args.rounds,
                                log, args.attention, engine_kw["quant"], args.decoder,
-                               args.kv_tokens, args.max_step_tokens)]
+                               args.kv_tokens, args.max_step_tokens, args.speculative)]
 
     def table(rows: list[dict]) -> None:
         (res,) = rows

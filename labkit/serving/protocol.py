@@ -11,6 +11,7 @@ them, so that a client written for OpenAI, vLLM or SGLang reads them unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -150,6 +151,13 @@ def params_of(body: Body, ids: list[int], chat: bool, sched: Scheduler,
             seed=body.seed if body.seed is not None else uuid.uuid4().int % 2**63)
     except (TypeError, ValueError) as err:
         raise BadRequest(str(err)) from None
+
+
+def with_speculation(params: SamplingParams, speculative: str | None) -> SamplingParams:
+    """`params` speculating as the server says, where it can (no penalties, no logprobs)."""
+    if speculative is None or params.penalized or params.logprobs is not None:
+        return params
+    return dataclasses.replace(params, speculative=speculative)
 
 
 def max_tokens_of(body: Body, ids: list[int], chat: bool, sched: Scheduler,

@@ -57,6 +57,7 @@ from labkit.serving.protocol import (
     one_line,
     params_of,
     stop_strings,
+    with_speculation,
 )
 from labkit.serving.worker import EngineWorker, Job
 
@@ -114,11 +115,14 @@ async def _collect(request: Request, choices: Choices) -> JSONResponse | None:
 
 
 def create_app(engine: Engine, model_name: str, decoder: str = "pipelined",
-               default_max_tokens: int | None = None) -> FastAPI:
+               default_max_tokens: int | None = None, speculative: str | None = None
+               ) -> FastAPI:
     """The HTTP app over `engine`; the engine thread starts and stops with the app.
 
     default_max_tokens: the max_tokens of a request that gives none; None is OpenAI's rule,
-    16 for a completion, and for a chat answer all the room the context (and pool) leaves."""
+    16 for a completion, and for a chat answer all the room the context (and pool) leaves.
+    speculative: "<proposer>:<k>" for every request that can speculate (no penalties, no
+    logprobs); the others decode plainly (labkit.speculative)."""
     worker = EngineWorker(engine, decoder)
 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -169,7 +173,8 @@ def create_app(engine: Engine, model_name: str, decoder: str = "pipelined",
                                        f"has {model_name!r}", "model")
         try:
             stops = stop_strings(body.stop)
-            params = [params_of(body, ids, chat, engine.scheduler, default_max_tokens)
+            params = [with_speculation(params_of(body, ids, chat, engine.scheduler,
+                                                 default_max_tokens), speculative)
                       for ids in prompts]
             for ids, p in zip(prompts, params):
                 check_ids(ids, p, engine.scheduler)
@@ -319,6 +324,11 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--device", choices=("inprocess", "process", "cuda"), default="inprocess",
                    help="where the model runs: this process, a simulated accelerator "
                         "process, or a CUDA GPU")
+    p.add_argument("--speculative", default=None, metavar="PROPOSER:K",
+                   help="speculative decoding for every request that can (no penalties or "
+                        "logprobs): int4:K, int8:K (the model's quantized copy drafts) or "
+                        "ngram:K (prompt lookup); needs --decoder blocking and --device "
+                        "inprocess")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="max_tokens when a request does not say (default: OpenAI's, 16 for a "
                         "completion, the room left in the context for a chat answer)")
@@ -333,6 +343,19 @@ def serve_main(argv: list[str]) -> int:
         engine_kw = engine_kwargs(args)
     except ValueError as err:
         p.error(str(err))
+    drafts: tuple[str, ...] = ()
+    if args.speculative is not None:
+        from labkit.sampling import parse_speculative
+
+        try:
+            proposer, _ = parse_speculative(args.speculative)
+        except ValueError as err:
+            p.error(f"--speculative: {err}")
+        if args.decoder != "blocking" or args.device != "inprocess":
+            p.error("--speculative needs --decoder blocking and --device inprocess: the "
+                    "pipelined decoder plans a step before the previous one's accepted tokens "
+                    "are known, and the other devices return one token per row")
+        drafts = () if proposer == "ngram" else (proposer,)
     try:  # before the model loads: a port in use fails at once, in one line
         sock = _listening_socket(args.host, args.port)
     except OSError as err:
@@ -343,17 +366,19 @@ def serve_main(argv: list[str]) -> int:
 
     try:
         model, tok = load_model(args.model, quant=engine_kw.pop("quant"))
-        engine = Engine(model, tok, device=args.device, **engine_kw)
+        copies = {name: load_model(args.model, quant=name)[0] for name in drafts}
+        engine = Engine(model, tok, device=args.device, drafts=copies, **engine_kw)
     except (ValueError, RuntimeError, OSError) as err:
         sock.close()
         print(f"python -m labkit serve: error: {err}", file=sys.stderr)
         return 2
-    app = create_app(engine, args.model, args.decoder, args.max_tokens)
+    app = create_app(engine, args.model, args.decoder, args.max_tokens, args.speculative)
     budget = engine_kw["max_step_tokens"]
     server = _uvicorn_server(app, (
         f"[labkit] serving {args.model} on http://{args.host}:{sock.getsockname()[1]}/v1 "
         f"({args.decoder} decoder, {args.batching} batching, budget {budget} tokens/step, "
-        f"{args.attention} attention, weights {args.quant})"))
+        f"{args.attention} attention, weights {args.quant}"
+        f"{f', speculative {args.speculative}' if args.speculative else ''})"))
     # uvicorn shuts down gracefully on SIGINT and SIGTERM, then raises the signal again for the
     # handler that was in place before it: by then all that is left is to return
     before = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
