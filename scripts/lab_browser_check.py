@@ -20,6 +20,7 @@ It prints one line per check and exits 1 if one fails; screenshots land in `--ou
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import socket
@@ -53,7 +54,14 @@ def start_lab(venv: Path, clone: Path, port: int) -> tuple[subprocess.Popen, str
     recipe = subprocess.run(["make", "-s", "-n", "-o", "setup", "lab", f"PORT={port}",
                              "NO_BROWSER=1", f"BIN={venv.resolve() / 'bin'}"], cwd=clone,
                             capture_output=True, text=True, check=True).stdout.strip()
-    proc = subprocess.Popen(recipe, shell=True, cwd=clone, stderr=subprocess.PIPE, text=True)
+    # JupyterLab renders only the cells in view ("windowing"): turn that off in a settings
+    # directory of this run's own, so that every cell is in the page to click
+    settings = clone.parent / "lab-settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(clone.parent / "lab-settings")}
+    proc = subprocess.Popen(f"exec {recipe}", shell=True, cwd=clone, stderr=subprocess.PIPE,
+                            text=True, env=env)
     deadline = time.time() + 120
     url = None
     while time.time() < deadline and url is None:
@@ -109,9 +117,15 @@ def main(argv: list[str]) -> int:
                                              args=CHROMIUM_ARGS)
                 page = browser.new_page(viewport={"width": 1400, "height": 900})
                 page.goto(url)
-                page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=120_000)
-                title = page.locator(".lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel")
-                tab = title.first.inner_text()
+                # the notebook's own cells (not the placeholder of one while it loads), and its
+                # kernel started and idle (the status bar: "Python 3 (ipykernel) | Idle")
+                page.wait_for_function("document.querySelectorAll("
+                                       "'.jp-NotebookPanel .jp-Notebook .jp-Cell').length > 5",
+                                       timeout=120_000)
+                page.wait_for_selector(".jp-StatusBar-Widget >> text=/\\| Idle/",
+                                       timeout=240_000)
+                title = page.locator("#jp-main-dock-panel .lm-TabBar-tab.lm-mod-current")
+                tab = title.first.inner_text().strip()
                 page.screenshot(path=str(args.out / "1-opened.png"))
                 results.append(("the printed URL opens notebook 00", tab == "00_welcome.ipynb",
                                 f"the open tab: {tab!r}"))
