@@ -34,16 +34,18 @@ for line in sys.stdin:
     llm.reset()
     t0 = time.perf_counter()
     stamps = []
-    for _ in llm.create_completion(req["ids"], max_tokens=req["n"], temperature=0.0, top_k=1,
-                                   stream=True, logit_bias={eos: -1e9}):
-        stamps.append(time.perf_counter())
+    for chunk in llm.create_completion(req["ids"], max_tokens=req["n"], temperature=0.0,
+                                       top_k=1, stream=True, logit_bias={eos: -1e9}):
+        if chunk["choices"][0]["finish_reason"] is None:  # the last chunk only says why
+            stamps.append(time.perf_counter())
     print(json.dumps({"t0": t0, "stamps": stamps}), flush=True)
 """
 
 
-def rates(t0: float, stamps: list[float]) -> tuple[float, float]:
-    """(decode tokens/s, time to first token s) of one turn."""
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0]), stamps[0] - t0
+def rates(t0: float, stamps: list[float], tokens: int) -> tuple[float, float]:
+    """(decode tokens/s, time to first token s) of one turn of `tokens` new tokens whose
+    first and last arrived at stamps[0] and stamps[-1]."""
+    return (tokens - 1) / (stamps[-1] - stamps[0]), stamps[0] - t0
 
 
 def main(argv: list[str]) -> int:
@@ -76,7 +78,7 @@ def main(argv: list[str]) -> int:
         worker.stdin.flush()
         out = json.loads(worker.stdout.readline())
         assert len(out["stamps"]) == args.tokens, len(out["stamps"])
-        return rates(out["t0"], out["stamps"])
+        return rates(out["t0"], out["stamps"], args.tokens)
 
     engines = {}
     for q in args.quant.split(","):
@@ -88,8 +90,8 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         generate(ids, SamplingParams(max_new_tokens=args.tokens, ignore_eos=True), engine=engine,
                  on_text=lambda i, text: stamps.append(time.perf_counter()))
-        # on_text fires per detokenized piece; the engine's own clock is the completion's
-        return rates(t0, stamps)
+        # on_text fires per detokenized piece: the first and the last token's arrivals
+        return rates(t0, stamps, args.tokens)
 
     turns = {"llama.cpp": [], **{f"labkit {q}": [] for q in engines}}
     fns = {"llama.cpp": llama_turn, **{f"labkit {q}": (lambda e=e: labkit_turn(e))
