@@ -19,6 +19,7 @@ The tokenizer lives in `labkit.tokenizer`, the cache in `labkit.utils.cache`.
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.tokenizer import Tokenizer, smollm2_tokenizer, tokenizer_from_gguf
 from labkit.utils.cache import build_atomically, cache_entry, packaged_gguf
+from labkit.utils.memory import trim
 from labkit.utils.progress import progress
 
 NAMES = ("smollm2-135m", "tiny", "smollm2-135m-random")
@@ -68,8 +70,11 @@ HF_NAMES = {
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.down_proj.weight",
 }
 
-# in-process memo: cache entry -> its fp32 weights, so a second load_model costs milliseconds
-_WEIGHTS: dict[tuple[Path, torch.dtype], tuple[ModelConfig, dict[str, torch.Tensor]]] = {}
+# in-process memo: cache entry -> its config and the fp32 tensors that the models built from it
+# hold, weakly. A second load_model shares the tensors (and their memory-mapped pages) that a
+# live model holds, and maps from the file only the others; a tensor no model holds any more (a
+# model deleted, a projection that fusing replaced by a concatenated copy) takes its pages along
+_WEIGHTS: dict[Path, tuple[ModelConfig, weakref.WeakValueDictionary]] = {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,29 +167,59 @@ def read_gguf(path: str | Path, name: str | None = None
     return cfg, state
 
 
-def _gguf_weights(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The GGUF's weights: from the in-process memo, else the disk cache, else dequantized."""
-    from safetensors.torch import load_file, save_file
+def _gguf_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Path]:
+    """The GGUF's fp32 weights (those live models hold, the rest mapped from the disk cache,
+    dequantized first if it has none) and the cache entry they are memoized under."""
+    from safetensors import safe_open
 
     entry = cache_entry(path)
-    if (entry, dtype) in _WEIGHTS:
-        return _WEIGHTS[(entry, dtype)]
+    if entry not in _WEIGHTS:
+        weights = build_atomically(entry / "model", lambda tmp: _build_fp32(path, entry, tmp))
+        cfg = ModelConfig(**json.loads((weights / "config.json").read_text()))
+        _WEIGHTS[entry] = cfg, weakref.WeakValueDictionary()
+    cfg, live = _WEIGHTS[entry]
+    file = entry / "model" / "model.safetensors"
+    with safe_open(str(file), framework="pt") as f:  # the header only
+        names = list(f.keys())
+    # held from here on, so none can go before the model holds it
+    state = {k: t for k in names if (t := live.get(k)) is not None}
+    missing = [k for k in names if k not in state]
+    if missing:  # memory-mapped, fp32
+        state.update(_load_apart(file, _FUSED_AWAY, missing))
+    return cfg, state, entry
 
-    def build(tmp: Path) -> None:
-        # the first load only (30-60 s on two cores): its bars say so on stderr while it runs
-        cfg, state = read_gguf(path)
-        with progress(desc=f"caching the fp32 weights in {entry} (first load only)", total=1,
-                      unit="file") as bar:
-            save_file(state, str(tmp / "model.safetensors"))
-            bar.update()
-        (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
 
-    weights = build_atomically(entry / "model", build)
-    cfg = ModelConfig(**json.loads((weights / "config.json").read_text()))
-    state = load_file(str(weights / "model.safetensors"))  # memory-mapped, fp32
-    state = {k: v.to(dtype) for k, v in state.items()}
-    _WEIGHTS[(entry, dtype)] = cfg, state
-    return cfg, state
+def _build_fp32(path: Path, entry: Path, tmp: Path) -> None:
+    """Dequantize the GGUF into a cache entry's folder `tmp` (see utils.cache.build_atomically)."""
+    from safetensors.torch import save_file
+
+    # the first load only (30-60 s on two cores): its bars say so on stderr while it runs
+    cfg, state = read_gguf(path)
+    with progress(desc=f"caching the fp32 weights in {entry} (first load only)", total=1,
+                  unit="file") as bar:
+        save_file(state, str(tmp / "model.safetensors"))
+        bar.update()
+    (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+
+
+# the projections that LlamaModel.fuse_projections replaces by new, concatenated tensors
+_FUSED_AWAY = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
+
+
+def _load_apart(file: Path, apart: tuple[str, ...], names: list[str] | None = None
+                ) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors (or those `names`), memory-mapped: those whose names hold
+    one of `apart` in a mapping of their own, the rest in another."""
+    # a mapping's pages stay resident while any tensor of it lives: in one mapping, the weights
+    # that fusing copies into new tensors would stay resident beside their copies
+    from safetensors import safe_open
+
+    state = {}
+    for mine in (True, False):
+        with safe_open(str(file), framework="pt") as f:
+            state.update({k: f.get_tensor(k) for k in (f.keys() if names is None else names)
+                          if any(a in k for a in apart) == mine})
+    return state
 
 
 class _SkipInit(TorchFunctionMode):
@@ -218,8 +253,15 @@ def _assemble(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> LlamaModel:
 def from_gguf(path: str | Path, dtype: torch.dtype = torch.float32, name: str | None = None
               ) -> LlamaModel:
     """A LlamaModel from a Llama GGUF file, dequantized once and cached (models share weights)."""
-    cfg, state = _gguf_weights(Path(path), dtype)
-    return _assemble(cfg if name is None else cfg.with_(name=name), state)
+    cfg, state, entry = _gguf_weights(Path(path))
+    if name is not None:
+        cfg = cfg.with_(name=name)
+    if dtype != torch.float32:  # a copy: never memoized, it goes with the model that holds it
+        return _assemble(cfg, {k: v.to(dtype) for k, v in state.items()})
+    model = _assemble(cfg, state)
+    # the tensors as the model holds them (load_state_dict wraps them in Parameters)
+    _WEIGHTS[entry][1].update({**dict(model.named_parameters()), **dict(model.named_buffers())})
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,14 +368,17 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.fl
     from labkit.quant import QuantScheme
 
     scheme = QuantScheme.parse(quant)
+    fuse = fuse or (fuse is None and scheme is not None)
     if scheme is not None:
-        model = _quantized(model, tok, scheme, name_or_path)
-    if fuse or (fuse is None and scheme is not None):
-        model.fuse_projections()
+        model = _quantized(model, tok, scheme, name_or_path, fuse)
+    if fuse:
+        model.fuse_projections()  # (a quantized model from the cache is fused already)
+    if scheme is not None or fuse:  # the per-projection tensors that quantizing and fusing
+        trim()  # replaced are freed: their heap pages go back to the system (utils.memory)
     return model, tok
 
 
-def _quantized(model: LlamaModel, tok, scheme, name_or_path: str) -> LlamaModel:
+def _quantized(model: LlamaModel, tok, scheme, name_or_path: str, fuse: bool) -> LlamaModel:
     """Quantize a freshly assembled model; GGUF models through a cache entry per scheme."""
     from labkit.quant import QUANT_VERSION, load_quantized, quantize_model, quantized_state
 
@@ -348,7 +393,7 @@ def _quantized(model: LlamaModel, tok, scheme, name_or_path: str) -> LlamaModel:
     path = packaged_gguf() if name_or_path == "smollm2-135m" else Path(name_or_path)
     if not (path.is_file() and path.suffix == ".gguf"):  # tiny, random, HF: seconds at most
         return quantize(model)
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     built: list[LlamaModel] = []
 
@@ -359,7 +404,8 @@ def _quantized(model: LlamaModel, tok, scheme, name_or_path: str) -> LlamaModel:
     entry = build_atomically(cache_entry(path) / f"{scheme.name}-q{QUANT_VERSION}", build)
     if built:  # this process just quantized it
         return built[0]
-    return load_quantized(model, scheme, load_file(str(entry / "quant.safetensors")))
+    return load_quantized(model, scheme, _load_apart(entry / "quant.safetensors", _FUSED_AWAY),
+                          fuse=fuse)
 
 
 def _load_plain(name_or_path: str, dtype: torch.dtype) -> tuple[LlamaModel, Tokenizer]:

@@ -195,10 +195,15 @@ class DecoderLayer(nn.Module):
         """
         if self.qkv_proj is not None:
             return
-        self.qkv_proj = concat_linears([self.q_proj, self.k_proj, self.v_proj])
-        self.gate_up_proj = concat_linears([self.gate_proj, self.up_proj])
+        self.set_fused(concat_linears([self.q_proj, self.k_proj, self.v_proj]),
+                       concat_linears([self.gate_proj, self.up_proj]))
+
+    def set_fused(self, qkv_proj: nn.Module, gate_up_proj: nn.Module) -> None:
+        """Install fused q|k|v and gate|up linears (built elsewhere: fuse_projections, or a
+        quantized load from codes) in place of the five separate ones."""
+        self.qkv_proj, self.gate_up_proj = qkv_proj, gate_up_proj
         for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-            delattr(self, name)  # the fused copies replace them: no weight is held twice
+            delattr(self, name)  # the fused linears replace them: no weight is held twice
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn: Attention) -> torch.Tensor:

@@ -123,7 +123,7 @@ def quantize_int8(w: torch.Tensor, bf16_scales: bool = False) -> tuple[torch.Ten
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 weights [N, K] from int8 codes [N, K] and per-row scales [N]."""
-    return q.float() * scale[:, None]
+    return q.to(torch.float32, copy=True).mul_(scale[:, None])  # a copy, scaled in place
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,8 +152,10 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     """fp32 weights [N, K] from codes [N, K] in [0, 15] and group scales, zeros [N, K/g]."""
     n, k = q.shape
     g = k // scale.shape[1]
-    qg = q.float().reshape(n, -1, g)  # [N, G, g]
-    return ((qg - 8) * scale[..., None] + zero[..., None]).reshape(n, k)
+    qg = q.to(torch.float32, copy=True).reshape(n, -1, g)  # [N, G, g]: a copy (even of fp32 q)
+    # in place, in the order of (q - 8) * s + z: one [N, K] fp32 tensor, where the expression
+    # would hold three at once (the int4 head's dequantized copy alone is 113 MB)
+    return qg.sub_(8).mul_(scale[..., None]).add_(zero[..., None]).reshape(n, k)
 
 
 def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
@@ -420,19 +422,34 @@ def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in model.state_dict().items() if k != "embed.weight"}
 
 
-def load_quantized(model: nn.Module, scheme: QuantScheme, state: dict[str, torch.Tensor]
-                   ) -> nn.Module:
-    """Rebuild a quantized model from `quantized_state` output, on an fp32 model; in place."""
+def load_quantized(model: nn.Module, scheme: QuantScheme, state: dict[str, torch.Tensor],
+                   fuse: bool = False) -> nn.Module:
+    """Rebuild a quantized model from `quantized_state` output, on an fp32 model; in place.
+    `fuse`: q|k|v and gate|up as one QuantLinear each, stacked from their codes (the layout
+    fuse_projections gives, without building the separate linears' kernel layouts first)."""
     check_fits(model, scheme)  # an entry written before groups were checked holds other groups
-    names = [f"layers.{i}.{a}" for i in range(len(model.layers)) for a in PROJECTIONS]
-    for name in [*names, "lm_head"]:
-        q, s = state[f"{name}.qweight"], state[f"{name}.scale"]
+
+    def linear(*names: str) -> QuantLinear:
+        # the named linears' codes, stacked by output rows (each row is quantized on its own)
+        def cat(part: str) -> torch.Tensor | None:
+            ts = [state.get(f"{n}.{part}") for n in names]
+            return None if ts[0] is None else ts[0] if len(ts) == 1 else torch.cat(ts)
+
+        q, s = cat("qweight"), cat("scale")
         k = q.shape[1] * (2 if scheme.bits == 4 else 1)  # int4 holds two codes per byte
-        ql = QuantLinear(k, s.shape[0], scheme, state.get(f"{name}.bias"))
-        ql.set_codes(q, s, state.get(f"{name}.zero"))
-        parent, attr = (model, "lm_head") if name == "lm_head" else (
-            model.layers[int(name.split(".")[1])], name.split(".")[2])
-        setattr(parent, attr, ql)
+        ql = QuantLinear(k, s.shape[0], scheme, cat("bias"))
+        ql.set_codes(q, s, cat("zero"))
+        return ql
+
+    for i, layer in enumerate(model.layers):
+        at = f"layers.{i}"
+        if fuse:
+            layer.set_fused(linear(f"{at}.q_proj", f"{at}.k_proj", f"{at}.v_proj"),
+                            linear(f"{at}.gate_proj", f"{at}.up_proj"))
+        for attr in PROJECTIONS:
+            if not (fuse and attr in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+                setattr(layer, attr, linear(f"{at}.{attr}"))
+    model.lm_head = linear("lm_head")
     # AWQ folds its scales into the norms. Replace them, never copy into them: the fp32 model
     # this one was built on shares its tensors with every other model of the same file in
     # this process (load_state_dict would have written AWQ's norms into all of them)

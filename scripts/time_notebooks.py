@@ -11,14 +11,21 @@ directory `notebooks/`, as a learner's "Run All" would. Recorded per notebook:
 
 - the wall seconds from the kernel's start to the last cell's end, and the slowest cell;
 - the kernel process's peak resident memory (`VmHWM` in /proc/<pid>/status, Linux's own
-  high-water mark);
+  high-water mark), and the cell that reached it: the mark is reset at each cell's start
+  (`clear_refs`), so each cell's own peak is exact too;
 - the peak of its whole process tree, sampled every 0.2 s (the kernel plus what it starts: the
   simulated accelerator of chapters 06-07, the server of chapter 08, a kernel build): the
-  resident total, and the anonymous part alone. Anonymous memory (tensors, Python objects) is
-  what each learner costs a shared machine; the rest of the resident total is mostly file pages
-  (torch's libraries, the cached weights read from disk), which learners sharing one venv and
-  one cache share in the page cache. A sample can miss a peak shorter than its period; the
-  kernel's own high-water mark cannot.
+  resident total, its proportional set size (PSS) and the anonymous part alone. The resident
+  total counts a page once per process that maps it (torch's libraries in every process, the
+  weights the simulated accelerator shares with the kernel twice); PSS counts each page once,
+  split among the processes that map it: what the tree occupies. Anonymous memory (tensors,
+  Python objects) is what each learner costs a shared machine; the rest of the resident total
+  is mostly file pages (torch's libraries, the cached weights read from disk), which learners
+  sharing one venv and one cache share in the page cache. A sample can miss a peak shorter than
+  its period; the kernel's own high-water mark cannot;
+- per cell (`--cells` prints them; the JSON keeps them): its seconds, its peaks, and what the
+  kernel still holds when it ends (resident, anonymous, file-backed), which shows the objects
+  a notebook keeps alive and the cell that made them.
 
 A notebook that runs past `--timeout` seconds is stopped (its kernel and the processes it
 started are killed) and recorded as "over N min (stopped)"; one that raises is recorded as
@@ -66,9 +73,12 @@ class Result:
     kernel_hwm_mib: float | None = None  # the kernel's own VmHWM
     tree_rss_mib: float | None = None  # sampled peak of the tree's resident total
     tree_anon_mib: float | None = None  # sampled peak of the tree's anonymous memory
+    tree_pss_mib: float | None = None  # sampled peak of the tree's proportional set size
     slowest_cell: str = ""  # "cell 13: 41 s"
+    peak_cell: str = ""  # the cell where the kernel's resident memory peaked: "cell 12"
     error: str = ""
     run: str = ""
+    cells: list[dict] = field(default_factory=list)  # per code cell: see MemorySampler.end_cell
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,6 +101,18 @@ def proc_status(pid: int) -> dict[str, int]:
     return out
 
 
+def proc_pss(pid: int) -> int:
+    """The process's proportional set size in bytes (/proc/<pid>/smaps_rollup): each page it
+    maps counted once, divided among the processes that map it; 0 if gone or unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def process_tree(pid: int) -> list[int]:
     """`pid` and every process below it (Linux: /proc/<pid>/task/*/children)."""
     seen, todo = [], [pid]
@@ -107,11 +129,20 @@ def process_tree(pid: int) -> list[int]:
 
 class MemorySampler:
     """Samples a process tree's memory in a thread: the peaks of its resident and anonymous
-    totals, and the root's own high-water mark (VmHWM), which the kernel keeps exactly."""
+    totals, and the root's own high-water mark (VmHWM), which the kernel keeps exactly.
+
+    Per cell (start_cell / end_cell around each one): the root's high-water mark is reset at
+    the cell's start (Linux: "5" written to /proc/<pid>/clear_refs), so its VmHWM at the cell's
+    end is that cell's exact peak; with it, the tree's sampled peaks during the cell and what
+    the root still holds when the cell ends (resident, anonymous, file-backed): a cell whose
+    end is far above the previous one's keeps objects alive in the notebook's globals."""
 
     def __init__(self, pid: int, period_s: float = SAMPLE_S):
         self.pid, self.period_s = pid, period_s
-        self.hwm = self.rss = self.anon = 0
+        self.hwm = self.rss = self.anon = self.pss = 0
+        self.cells: list[dict] = []
+        self._cell: dict | None = None
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -124,15 +155,48 @@ class MemorySampler:
         self._thread.join()
 
     def sample(self) -> None:
-        """One reading of the tree: update the peaks."""
-        rss = anon = 0
+        """One reading of the tree: update the peaks (the notebook's and the cell's)."""
+        rss = anon = pss = 0
         for p in process_tree(self.pid):
             st = proc_status(p)
             if p == self.pid and "VmHWM" in st:
                 self.hwm = max(self.hwm, st["VmHWM"])
             rss += st.get("VmRSS", 0)
             anon += st.get("RssAnon", 0)
-        self.rss, self.anon = max(self.rss, rss), max(self.anon, anon)
+            pss += proc_pss(p)
+        with self._lock:
+            self.rss, self.anon = max(self.rss, rss), max(self.anon, anon)
+            self.pss = max(self.pss, pss)
+            if self._cell is not None:
+                for key, value in (("tree_rss", rss), ("tree_anon", anon), ("tree_pss", pss)):
+                    self._cell[key] = max(self._cell[key], value)
+
+    def start_cell(self, index: int) -> None:
+        """A cell starts: reset the root's high-water mark, so that the cell's is exact."""
+        self.sample()  # the peak so far is kept in self.hwm before the reset
+        try:
+            Path(f"/proc/{self.pid}/clear_refs").write_text("5")
+        except OSError:  # not Linux, or not allowed: the cell's peak is then the run's so far
+            pass
+        with self._lock:
+            self._cell = {"cell": index, "t0": time.perf_counter(), "tree_rss": 0,
+                          "tree_anon": 0, "tree_pss": 0}
+
+    def end_cell(self) -> None:
+        """A cell ended: record its seconds, its peaks and what the kernel holds now (MiB)."""
+        self.sample()
+        st = proc_status(self.pid)
+        with self._lock:
+            cell, self._cell = self._cell, None
+        if cell is None:
+            return
+        self.cells.append({
+            "cell": cell["cell"], "s": round(time.perf_counter() - cell["t0"], 1),
+            "kernel_peak": self.mib(st.get("VmHWM", 0)),  # exact: reset at the cell's start
+            "tree_rss": self.mib(cell["tree_rss"]), "tree_anon": self.mib(cell["tree_anon"]),
+            "tree_pss": self.mib(cell["tree_pss"]),
+            "end_rss": self.mib(st.get("VmRSS", 0)), "end_anon": self.mib(st.get("RssAnon", 0)),
+            "end_file": self.mib(st.get("RssFile", 0))})
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -207,7 +271,13 @@ def run_notebook(path: Path, mode: str, timeout_s: float, out_dir: Path | None =
                 watchdog.start()
                 try:
                     for index, cell in enumerate(nb.cells):
-                        client.execute_cell(cell, index)
+                        if cell.cell_type != "code":
+                            continue
+                        sampler.start_cell(index)
+                        try:
+                            client.execute_cell(cell, index)
+                        finally:
+                            sampler.end_cell()
                 finally:
                     watchdog.cancel()
                     sampler.sample()  # a last reading before the kernel shuts down
@@ -228,6 +298,12 @@ def run_notebook(path: Path, mode: str, timeout_s: float, out_dir: Path | None =
         result.kernel_hwm_mib = sampler.mib(sampler.hwm)
         result.tree_rss_mib = sampler.mib(sampler.rss)
         result.tree_anon_mib = sampler.mib(sampler.anon)
+        result.tree_pss_mib = sampler.mib(sampler.pss)
+        result.cells = sampler.cells
+        peaks = [c for c in sampler.cells if c["kernel_peak"]]
+        if peaks:
+            top = max(peaks, key=lambda c: c["kernel_peak"])
+            result.peak_cell = f"cell {top['cell']}"
     result.slowest_cell = slowest_cell(nb)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -300,6 +376,25 @@ def fmt_mib(x: float | None) -> str:
     return "n/a" if x is None else f"{x:,.0f}"
 
 
+def fmt_peak(r: dict) -> str:
+    """The kernel's peak, and the cell it was reached in when known: "1,288 (cell 12)"."""
+    at = r.get("peak_cell")
+    return fmt_mib(r["kernel_hwm_mib"]) + (f" ({at})" if at else "")
+
+
+def cell_table(r: dict) -> str:
+    """One notebook's memory, cell by cell (MiB): the `--cells` printout."""
+    out = [f"  {'cell':>4} {'s':>6} {'peak':>7} {'tree':>7} {'tree pss':>8} {'tree anon':>9} "
+           f"{'end rss':>8} {'end anon':>8} {'end file':>8}"]
+    for c in r.get("cells", []):
+        out.append(f"  {c['cell']:>4} {c['s']:>6.1f} {fmt_mib(c['kernel_peak']):>7} "
+                   f"{fmt_mib(c['tree_rss']):>7} {fmt_mib(c.get('tree_pss')):>8} "
+                   f"{fmt_mib(c['tree_anon']):>9} "
+                   f"{fmt_mib(c['end_rss']):>8} {fmt_mib(c['end_anon']):>8} "
+                   f"{fmt_mib(c['end_file']):>8}")
+    return "\n".join(out)
+
+
 def learners_per_hub(anon_mib: float | None) -> str:
     """How many kernels at this peak fit in a 16 GB machine, a reserve kept back."""
     if not anon_mib:
@@ -317,19 +412,25 @@ def markdown(records: dict) -> str:
            "Each notebook ran top to bottom in a fresh kernel (its working directory "
            "`notebooks/`), in QUICK mode (`LABKIT_QUICK=1`, what `make test` and `make book` run) "
            "or in full mode (what a learner gets by default). *Wall*: the kernel's start to the "
-           "last cell's end. *Kernel peak*: the kernel process's high-water mark (VmHWM). *Tree "
+           "last cell's end. *Kernel peak*: the kernel process's high-water mark (VmHWM), "
+           "and the cell that reached it (the script resets the mark at each cell's start; "
+           "`--cells` prints every cell's peak and what the kernel still holds at its end, "
+           "and the JSON keeps them). *Tree "
            "peak*: the kernel and the processes it started (the simulated accelerator of 06-07, "
-           "the server of 08), sampled every "
-           f"{SAMPLE_S} s; *anon*: its anonymous part, what each learner adds to a shared "
+           "the ablation's devices and the server of 08), sampled every "
+           f"{SAMPLE_S} s: the sum of their resident memory, which counts a page once per "
+           "process that maps it; *PSS*: each page counted once, split among the processes "
+           "that map it (what the tree occupies); *anon*: its anonymous part, what each "
+           "learner adds to a shared "
            "machine (file pages of the shared venv and cache are shared). *Per 16 GB*: how many "
            f"kernels at that anonymous peak fit in {HUB_GIB} GB with {HUB_RESERVE_GIB} GB kept "
            "back, if every learner were at this notebook's peak at once (the worst case). "
            "Memory is in MiB. A stopped or failed row's memory and slowest cell cover only what "
            "ran before it stopped.",
            "",
-           "| notebook | mode | wall | slowest cell | kernel peak | tree peak | tree peak, anon "
-           "| per 16 GB | run |",
-           "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+           "| notebook | mode | wall | slowest cell | kernel peak | tree peak | tree peak, PSS "
+           "| tree peak, anon | per 16 GB | run |",
+           "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     names = sorted({n for mode in records["results"].values() for n in mode})
     for name in names:
         for mode in ("quick", "full"):
@@ -337,8 +438,9 @@ def markdown(records: dict) -> str:
             if r is None:
                 continue
             out.append(f"| `{name}` | {'QUICK' if mode == 'quick' else 'full'} | {fmt_wall(r)} "
-                       f"| {r['slowest_cell'] or '-'} | {fmt_mib(r['kernel_hwm_mib'])} "
-                       f"| {fmt_mib(r['tree_rss_mib'])} | {fmt_mib(r['tree_anon_mib'])} "
+                       f"| {r['slowest_cell'] or '-'} | {fmt_peak(r)} "
+                       f"| {fmt_mib(r['tree_rss_mib'])} | {fmt_mib(r.get('tree_pss_mib'))} "
+                       f"| {fmt_mib(r['tree_anon_mib'])} "
                        f"| {learners_per_hub(r['tree_anon_mib'])} | {r['run']} |")
     for mode in ("quick", "full"):
         done = [r for r in records["results"].get(mode, {}).values() if r["status"] == "ok"]
@@ -385,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=DOCS / "notebook_times.md")
     p.add_argument("--executed", type=Path, default=None,
                    help="also write the executed notebooks here")
+    p.add_argument("--cells", action="store_true",
+                   help="print each notebook's memory cell by cell (peak, and held at its end)")
     p.add_argument("--note", action="append", default=[],
                    help="a line to record with this run (e.g. what else ran on the machine)")
     args = p.parse_args(argv)
@@ -407,7 +511,10 @@ def main(argv: list[str] | None = None) -> int:
         records["results"].setdefault(mode, {})[r.notebook] = asdict(r)
         print(f"{r.notebook:<24} {mode:<5} {fmt_wall(asdict(r)):<28} kernel "
               f"{fmt_mib(r.kernel_hwm_mib)} MiB, tree {fmt_mib(r.tree_rss_mib)} MiB "
-              f"(anon {fmt_mib(r.tree_anon_mib)}); slowest {r.slowest_cell}", flush=True)
+              f"(PSS {fmt_mib(r.tree_pss_mib)}, anon {fmt_mib(r.tree_anon_mib)}); slowest "
+              f"{r.slowest_cell}; peak {r.peak_cell}", flush=True)
+        if args.cells:
+            print(cell_table(asdict(r)), flush=True)
         # written after every notebook: a run stopped halfway keeps what it measured
         args.records.parent.mkdir(parents=True, exist_ok=True)
         args.records.write_text(json.dumps(records, indent=1) + "\n")

@@ -371,3 +371,29 @@ def test_first_load_shows_progress_on_stderr_and_a_cached_load_none(tmp_path, ca
     loading._WEIGHTS.clear()
     load_model(str(path))
     assert capsys.readouterr() == ("", "")
+
+
+def test_the_memo_shares_what_a_live_model_holds_and_lets_the_rest_go(tmp_path, cache):
+    # models of one file share their tensors (and the mapped pages under them) while one of
+    # them lives; a tensor that no model holds any more (fusing replaced it with a copy, its
+    # model was deleted) is not kept by the memo, so its pages leave memory with it
+    import gc
+
+    ref = tiny_model(seed=1)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, ref)
+    a, _ = load_model(str(path))
+    b, _ = load_model(str(path))
+    assert b.layers[0].q_proj.weight is a.layers[0].q_proj.weight  # shared, not mapped again
+    del b
+    a.fuse_projections()  # a's separate q, k, v, gate and up go; o, down and the rest stay
+    gc.collect()
+    ((_, live),) = loading._WEIGHTS.values()
+    assert "layers.0.q_proj.weight" not in live and "layers.0.gate_proj.weight" not in live
+    assert live["layers.0.o_proj.weight"] is a.layers[0].o_proj.weight
+    c, _ = load_model(str(path))  # what no model held is mapped again, what a holds is shared
+    assert_same_weights(c, ref)
+    assert c.layers[0].o_proj.weight is a.layers[0].o_proj.weight
+    half, _ = load_model(str(path), dtype=torch.bfloat16)  # a copy: its own, never memoized
+    assert half.embed.weight.dtype == torch.bfloat16
+    assert all(t.dtype == torch.float32 for t in live.values())

@@ -331,3 +331,21 @@ def test_generate_and_bench_quant_take_the_flag(capsys):
         assert row["tok_s_decode"] > 0 and row["decode_speedup_vs_fp32"] > 0
     assert rows[0]["decode_speedup_vs_fp32"] == 1.0  # fp32 against itself, turn by turn
     assert rows[0]["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and rows[0]["cpu"]
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4-g32", "int4-g32-awq"])
+def test_a_fused_load_from_codes_equals_fusing_after_the_load(spec):
+    # load_model(quant=...) stacks q|k|v and gate|up from the cached codes, without building
+    # the separate linears first: the same buffers and logits as fuse_projections after a load
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(10))
+    scheme = QuantScheme.parse(spec)
+    state = quantized_state(quantize_awq(tiny_model(), scheme, ids) if scheme.awq
+                            else quantize_model(tiny_model(), scheme))
+    want = load_quantized(tiny_model(), scheme, state).fuse_projections()
+    got = load_quantized(tiny_model(), scheme, state, fuse=True)
+    assert isinstance(got.layers[0].qkv_proj, QuantLinear) and not hasattr(got.layers[0],
+                                                                          "up_proj")
+    bufs = dict(got.named_buffers())
+    assert sorted(bufs) == sorted(dict(want.named_buffers()))
+    assert all(torch.equal(b, bufs[n]) for n, b in want.named_buffers())
+    assert torch.equal(logits(got, ids), logits(want, ids))

@@ -38,7 +38,14 @@ def test_a_run_records_memory_timeout_failure_and_writes_the_table(tmp_path):
     # high-water mark and by the sampled tree, in its anonymous part
     assert 300 < ok["kernel_hwm_mib"] < 1000, ok
     assert 300 < ok["tree_anon_mib"] <= ok["tree_rss_mib"], ok
+    assert 300 < ok["tree_pss_mib"] <= ok["tree_rss_mib"], ok  # one process: PSS <= RSS
     assert ok["slowest_cell"].startswith("cell ")
+    # per cell: the block's cell holds the peak (its high-water mark was reset at its start,
+    # so the first cell's peak is the interpreter's alone) and still holds the block at its end
+    first, second = ok["cells"]
+    assert (first["cell"], second["cell"]) == (0, 1) and ok["peak_cell"] == "cell 1", ok
+    assert first["kernel_peak"] < 300 < second["kernel_peak"], ok["cells"]
+    assert second["end_anon"] - first["end_anon"] > 290, ok["cells"]  # kept alive: in globals
 
     stopped = got["01_sleeps"]
     assert stopped["status"] == "timeout" and 8 <= stopped["wall_s"] < 30, stopped
@@ -71,12 +78,18 @@ def test_a_full_run_adds_to_the_quick_rows_and_the_hub_column_is_computed():
                               "memory_gib": 8, "python": "3", "command": "x", "notes": ["n"]}},
                "results": {"quick": {}, "full": {}}}
     row = dict(status="ok", wall_s=125.0, timeout_s=600, kernel_hwm_mib=900.0,
-               tree_rss_mib=1200.0, tree_anon_mib=1000.0, slowest_cell="cell 3: 50 s",
-               error="", run="r")
+               tree_rss_mib=1200.0, tree_pss_mib=1100.0, tree_anon_mib=1000.0,
+               slowest_cell="cell 3: 50 s", peak_cell="cell 4", error="", run="r")
     records["results"]["quick"]["05_x"] = {**row, "notebook": "05_x", "mode": "quick"}
     records["results"]["full"]["05_x"] = {**row, "notebook": "05_x", "mode": "full",
                                           "status": "timeout"}
     table = time_notebooks.markdown(records)
-    assert "| `05_x` | QUICK | 2 min 05 s | cell 3: 50 s | 900 | 1,200 | 1,000 | 14 | r |" in table
+    assert ("| `05_x` | QUICK | 2 min 05 s | cell 3: 50 s | 900 (cell 4) | 1,200 | 1,100 | 1,000 "
+            "| 14 | r |") in table
+    # a row recorded before PSS and the peak's cell were: its columns say n/a, not zero
+    old = {k: v for k, v in row.items() if k not in ("tree_pss_mib", "peak_cell")}
+    records["results"]["quick"]["06_y"] = {**old, "notebook": "06_y", "mode": "quick"}
+    assert "| `06_y` | QUICK | 2 min 05 s | cell 3: 50 s | 900 | 1,200 | n/a | 1,000 |" in (
+        time_notebooks.markdown(records))
     assert "| `05_x` | full | over 10 min (stopped) |" in table
     assert time_notebooks.learners_per_hub(1000.0) == "14"  # (16 - 2) GiB / 1000 MiB

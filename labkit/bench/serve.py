@@ -158,7 +158,10 @@ def engine_step_s(model, *, batch: int = 4, steps: int = 32, repeats: int = 3) -
                          f"{repeats}")
     times = []
     for _ in range(repeats):
-        engine = Engine(model, None, max_seqs=batch, max_step_tokens=None)
+        # a pool for this work (prompts of 20, `steps` new tokens, a zombie row's one more),
+        # not the default server-sized one: allocated whole, it would cost more than the run
+        engine = Engine(model, None, kv_tokens=batch * (20 + steps + 32), max_seqs=batch,
+                        max_step_tokens=None)
         try:
             for i in range(batch):
                 engine.submit(list(range(100 + i, 120 + i)),
