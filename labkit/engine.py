@@ -106,6 +106,7 @@ class EngineStats:
     draft_pages_returned: int = 0  # pages that held only rejected positions, returned
     draft_s: float = 0.0  # host time spent proposing (the draft model's launches included)
     step_tokens: list[int] = field(default_factory=list)  # tokens of each launch (latest 10k)
+    step_rows: list[int] = field(default_factory=list)  # rows (sequences) of each launch, alike
 
     def reset(self) -> None:
         """Start counting again from zero."""
@@ -474,8 +475,10 @@ class Engine:
             st.verify_rows += len(verify)
             st.draft_tokens += sum(len(r.draft) for r in verify)
         st.step_tokens.append(plan.num_tokens)
+        st.step_rows.append(plan.batch_size)
         if len(st.step_tokens) > 2 * STEP_TOKENS_KEPT:
             del st.step_tokens[:-STEP_TOKENS_KEPT]
+            del st.step_rows[:-STEP_TOKENS_KEPT]
         st.peak_pages_used = max(st.peak_pages_used, alloc.num_used)
         st.peak_running = max(st.peak_running, len(sched.live()))
         self._span(plan.kind, launch, launch.launched_s)  # "prefill", "decode" or "mixed"

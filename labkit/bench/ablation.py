@@ -59,6 +59,7 @@ from labkit.quant import weight_bytes
 from labkit.whole_engine import FEATURES, EngineSetup
 
 SYSTEM_PREFIX_LEN = 48  # tokens every request shares (three 16-token pages)
+AGAIN = "whole engine, again"  # the A/A row: the whole engine once more, predicted 1.00x
 
 
 def ablation_workload(n: int, vocab_size: int, quick: bool, seed: int = 0
@@ -93,6 +94,7 @@ def run_setup(engine, decoder: str, work: list[tuple[list[int], int]]) -> dict:
         engine.forget(r)
     s = engine.stats
     return {"wall_s": wall, "tokens": tokens, "steps": s.steps, "step_tokens": list(s.step_tokens),
+            "step_rows": list(s.step_rows),
             "prefill_tokens_saved": s.prefill_tokens_saved, "preemptions": s.preemptions,
             "padding_rows": s.padding_rows, "peak_running": s.peak_running, "timeline": tl,
             "busy": busy}
@@ -129,6 +131,35 @@ def fit_step_cost(timeline: Timeline, step_tokens: list[int]) -> tuple[float, fl
     return max(my - b * mx, 0.0), b, h
 
 
+def fit_launch_cost(timeline: Timeline, step_tokens: list[int], step_rows: list[int]
+                    ) -> tuple[float, float, float, float]:
+    """(a, c, b, h) in seconds: device time per launch = a + c * rows + b * tokens, least squares
+    over the run's launches (a coefficient the data makes negative is dropped, and the rest
+    refitted), and the host's own work per launch h. A launch's fixed cost has a part per row
+    (each row's metadata, sampling and commit): a launch of four decode rows and one of a
+    single prefill chunk differ in more than their tokens."""
+    device = launch_envelopes(timeline)
+    n = len(device)
+    h = host_work_s(timeline) / max(n, 1)
+    if len(step_tokens) < n or len(step_rows) < n or n < 3:
+        a, b, _ = fit_step_cost(timeline, step_tokens)
+        return a, 0.0, b, h
+    y = torch.tensor(list(device.values()), dtype=torch.float64)
+    cols = {"a": torch.ones(n, dtype=torch.float64),
+            "c": torch.tensor(step_rows[-n:], dtype=torch.float64),
+            "b": torch.tensor(step_tokens[-n:], dtype=torch.float64)}
+    names = list(cols)
+    while True:
+        x = torch.stack([cols[k] for k in names], dim=1)
+        coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0]
+        fit = dict(zip(names, coef.tolist()))
+        negative = [k for k in names if fit[k] < 0 and k != "a"]
+        if not negative:
+            break
+        names.remove(negative[0])
+    return max(fit.get("a", 0.0), 0.0), fit.get("c", 0.0), fit.get("b", 0.0), h
+
+
 def blocking_round_trip_s(timeline: Timeline, wall_s: float) -> float:
     """T_other per launch of a *blocking* run (chapter 06): the run's wall time less the
     host's own work and the device's, per launch. Nothing overlaps in the blocking loop, so
@@ -162,8 +193,8 @@ def predict_wall(steps: int, tokens: int, a: float, b: float, h: float, pipeline
     return host + device
 
 
-def quant_step_split(fp32_model, quant_model, tokens: int = 64, rounds: int = 3,
-                     steps: int = 5) -> tuple[float, float, float, float]:
+def quant_step_split(fp32_model, quant_model, tokens: int = 64, rounds: int = 7,
+                     steps: int = 10) -> tuple[float, float, float, float]:
     """(extra seconds per launch, extra seconds per token) that fp32 weights cost over the
     quantized ones: one decode step of 1 row and one of `tokens` rows in each format, in
     alternating turns on one thread (the simulated device's), fitted as a line. The per-launch
@@ -200,7 +231,10 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
     model, tok = load_model(model_name)
     whole = EngineSetup.whole(quant=None if quant in (None, "none") else quant)
     whole = dataclasses.replace(whole, max_step_tokens=64)  # below the prompts: chunks happen
-    setups = [("whole engine", whole)] + [(f"- {f}", whole.without(f)) for f in FEATURES]
+    # the whole engine twice (an A/A pair): how far two identical setups' walls differ is the
+    # measurement's own noise, the resolution any feature's row is read with
+    setups = ([("whole engine", whole), (AGAIN, whole)]
+              + [(f"- {f}", whole.without(f)) for f in FEATURES])
     twin = "- pipelined decoder"
     work = ablation_workload(requests, model.cfg.vocab_size, quick)
     # a pool that holds every request's pages as they grow, but not every maximum at once
@@ -222,7 +256,7 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
                 tl = r.pop("timeline")
                 if name == twin:  # the cost model's terms, seen one at a time
                     sample = sample_ms_per_step(tl, 0, ("decode", "mixed", "prefill")) / 1e3
-                    r["fit"] = (*fit_step_cost(tl, r["step_tokens"]),
+                    r["fit"] = (*fit_launch_cost(tl, r["step_tokens"], r["step_rows"]),
                                 blocking_round_trip_s(tl, r["wall_s"]), sample)
                 runs[name].append(r)
         quant_model = engines["whole engine"].model
@@ -230,8 +264,8 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
     finally:
         for e in engines.values():
             e.close()
-    a, b, h, r_trip, sample = (statistics.median(r["fit"][i] for r in runs[twin])
-                               for i in range(5))
+    a, c, b, h, r_trip, sample = (statistics.median(r["fit"][i] for r in runs[twin])
+                                  for i in range(6))
     busy = statistics.median(r["busy"] for got in runs.values() for r in got)
     cores = free_cores(busy)
     extra_a = extra_b = t_f = t_q = 0.0
@@ -242,9 +276,11 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
         got = runs[name]
         wall = statistics.median(r["wall_s"] for r in got)
         fp32 = setup.quant is None and whole.quant is not None
-        pred = predict_wall(got[0]["steps"], sum(got[0]["step_tokens"]),
-                            a + (extra_a if fp32 else 0.0), max(b + (extra_b if fp32 else 0.0),
-                                                                0.0),
+        steps, n_rows = got[0]["steps"], sum(got[0]["step_rows"])
+        # a row's fixed cost booked per launch: c * rows / launches on top of a
+        per_launch = a + c * n_rows / max(steps, 1) + (extra_a if fp32 else 0.0)
+        pred = predict_wall(steps, sum(got[0]["step_tokens"]), per_launch,
+                            max(b + (extra_b if fp32 else 0.0), 0.0),
                             h, setup.decoder == "pipelined", 1.0, r_trip, cores, sample)
         rows.append({"setup": name, "wall_s": wall, "tok_s": got[0]["tokens"] / wall,
                      "steps": got[0]["steps"], "tokens_computed": sum(got[0]["step_tokens"]),
@@ -259,7 +295,8 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
         r["predicted_speedup"] = r["predicted_wall_s"] / w_pred
         r["gain_share"] = gain_share(r["measured_speedup"], r["predicted_speedup"])
     rows[0]["busy"], rows[0]["free_cores"] = busy, cores
-    rows[0]["fit_ms"] = {"a": a * 1e3, "b": b * 1e3, "h": h * 1e3, "round_trip": r_trip * 1e3,
+    rows[0]["fit_ms"] = {"a": a * 1e3, "c": c * 1e3, "b": b * 1e3, "h": h * 1e3,
+                         "round_trip": r_trip * 1e3,
                          "sample": sample * 1e3,
                          "fp32_extra_a": extra_a * 1e3, "fp32_extra_b": extra_b * 1e3,
                          "step_fp32": t_f * 1e3, "step_quant": t_q * 1e3}
@@ -268,6 +305,14 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
         rows[0]["fit_ms"]["dispatch"] = (t_q - quant_bytes / bw) * 1e3
         rows[0]["fit_ms"]["bandwidth_gb_s"] = bw / 1e9
     return rows
+
+
+def noise(rows: list[dict]) -> float:
+    """The measurement's resolution: how far from 1 the A/A row's median wall ratio lands (the
+    whole engine against an identical engine; the rounds' spread around a median is the
+    claims' band's business, this is what remains after it)."""
+    again = next(r for r in rows if r["setup"] == AGAIN)
+    return abs(statistics.median(again["ratios"]) - 1)
 
 
 def row_estimates(run: Callable[[], list[dict]]) -> tuple[list[dict], dict[str, Estimate]]:
@@ -324,9 +369,9 @@ def main(argv: list[str]) -> int:
             print(json.dumps(r))
         return 0
     f = rows[0]["fit_ms"]
-    print(f"terms measured on the blocking twin: device a={f['a']:.2f} ms + b={f['b']:.3f} "
-          f"ms/token, host h={f['h']:.2f} ms/launch, round trip r={f['round_trip']:.3f} ms/launch, "
-          f"sample s={f['sample']:.3f} ms/launch")
+    print(f"terms measured on the blocking twin: device a={f['a']:.2f} ms + c={f['c']:.3f} "
+          f"ms/row + b={f['b']:.3f} ms/token, host h={f['h']:.2f} ms/launch, round trip "
+          f"r={f['round_trip']:.3f} ms/launch, sample s={f['sample']:.3f} ms/launch")
     print(f"other programs kept {rows[0]['busy']:.1f} cores busy: {rows[0]['free_cores']:.1f} "
           "free for the host and the device")
     if "dispatch" in f:
