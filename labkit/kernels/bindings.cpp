@@ -1,24 +1,5 @@
 // The Python module: one binding per kernel (labkit/kernels/cpu.py builds and loads it).
-#include <torch/extension.h>
-
-at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s);
-at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz);
-at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz);
-bool has_bf16_dot();
-at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
-                           at::Tensor write_slots, at::Tensor k, at::Tensor v, at::Tensor slots,
-                           at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
-                           double scale);
-at::Tensor flash_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
-                           at::Tensor write_slots, at::Tensor k, at::Tensor v,
-                           at::Tensor block_tables, int64_t block_size, int64_t tile,
-                           at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
-                           double scale);
-at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
-at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
-at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
-void bind_decoder_stack(pybind11::module& m);
-int64_t read_probe(at::Tensor t);
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "y = x W^T, W int8 codes with one scale per output row");

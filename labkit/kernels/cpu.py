@@ -11,6 +11,7 @@ cost more in dispatch or conversion than in arithmetic:
     row_ops.cpp          rms_norm, rope, silu_mul
     decoder_stack.cpp    DecoderStack: a model's layers, all of those kernels, in one call
     read_probe.cpp       read_probe: a buffer read and nothing else (`bench step`'s yardstick)
+    kernels.h            every kernel's signature (bindings.cpp and decoder_stack.cpp)
     bindings.cpp         the Python module
 
 **int8_linear**: y = x W^T with W as int8 codes and per-row scales. torch's packed CPU kernel
@@ -107,9 +108,9 @@ from labkit.utils.cache import cache_dir
 
 HERE = Path(__file__).parent
 # every file the build reads: the key covers them all
-SOURCES = ("lanes.h", "quant_linear.cpp", "attention_tiles.h", "paged_attention.cpp",
-           "flash_attention.cpp", "row_ops.cpp", "decoder_stack.cpp", "read_probe.cpp",
-           "bindings.cpp")
+SOURCES = ("lanes.h", "kernels.h", "quant_linear.cpp", "attention_tiles.h",
+           "paged_attention.cpp", "flash_attention.cpp", "row_ops.cpp", "decoder_stack.cpp",
+           "read_probe.cpp", "bindings.cpp")
 # -ffp-contract=off: no FMA the source did not write, so a scalar tail sums the same way in
 # every template instance (the batch invariance above depends on it)
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")

@@ -1,0 +1,24 @@
+// Every kernel's signature, in one place: the Python bindings and the decoder stack (which
+// calls the kernels directly, with no Python between them) both include this.
+#pragma once
+
+#include <torch/extension.h>
+
+at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s);
+at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz);
+at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz);
+bool has_bf16_dot();
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
+                           at::Tensor write_slots, at::Tensor k, at::Tensor v, at::Tensor slots,
+                           at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
+                           double scale);
+at::Tensor flash_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
+                           at::Tensor write_slots, at::Tensor k, at::Tensor v,
+                           at::Tensor block_tables, int64_t block_size, int64_t tile,
+                           at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
+                           double scale);
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
+void bind_decoder_stack(pybind11::module& m);
+int64_t read_probe(at::Tensor t);
