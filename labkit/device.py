@@ -30,6 +30,7 @@ import pickle
 import queue
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -95,6 +96,11 @@ class Device:
     def spans(self) -> list[tuple[str, str, int, float, float]]:
         """Device spans recorded since the last call: (lane, op, step, t0, t1)."""
         return []
+
+    @property
+    def spin_pauses(self) -> tuple[int, int]:
+        """(host, device): times a spinning waiter gave up its spin (the simulated device)."""
+        return 0, 0
 
     def host_thread(self) -> contextlib.AbstractContextManager:
         """Context for the host's decode loop (the simulated device keeps it off its core)."""
@@ -176,28 +182,55 @@ def split_cpus() -> tuple[set[int], set[int]] | None:
     return set(cpus[:-1]), {cpus[-1]}
 
 
-_LANES = ("compute", "copy")
+# "link": each command's travel from the host's send to the device taking it (not device work)
+_LANES = ("compute", "copy", "link")
 # "recv": the device reading and unpickling a command that has arrived; "unpack": turning
 # constraint masks sent as bits into tensors. Both are the device's own per-step overhead,
 # booked as device time (compute lane) beside forward and sample. The wake-up latency before a
 # command arrives at an idle device is not device work: it is the gap between the host's launch
-# span and the "recv" span, part of the bubble.
-_OPS = ("forward", "sample", "copy", "recv", "unpack")
+# span and the "recv" span, part of the bubble. "dispatch": the device's own time between
+# finishing one command and taking the next when that one was already queued (its loop, the
+# ring's read; a GPU's gap between kernels), recorded only then: device time, not a wait.
+_OPS = ("forward", "sample", "copy", "recv", "unpack", "dispatch", "command")
 _STATUS_OPS = (*_OPS, "fault", "stall")  # what the device says it is doing (the last two: tests)
 _TRACE_CAP = 1 << 16  # spans kept per lane (a ring)
 _ERROR_CAP = 1 << 16  # bytes of the device's traceback kept in shared memory
 MASK_CACHE_CAP = 256  # constraint masks the device keeps (least recently used goes first)
 # A GPU never sleeps between kernels, and a CUDA event wait spins before it blocks: neither
 # side pays an OS wake-up per step. With a core of its own, the simulated device does the same:
-# it polls for the next command this long before it blocks on the pipe, and the host sleeps
+# it polls for the next command this long before it sleeps on the doorbell, and the host sleeps
 # through most of a step it waits for, then spins on the copy's stamp (`wait_tokens`). A
 # spinner that another program shares a core with loses to it (the OS favours a task that
-# slept), so a side that sees an event more than SPIN_LATE_S after it happened stops spinning
-# for SPIN_PAUSE_S: it blocks, and the OS wakes it ahead of the other program.
+# slept), so a side that sees most recent events more than SPIN_LATE_S after they happened stops
+# spinning for SPIN_PAUSE_S: it blocks, and the OS wakes it ahead of the other program. One late
+# event is not enough: a virtual machine's core pauses now and then with nobody else on it, and
+# a spinner that paused for each of those blocked most of the time, on a core gone cold
+# (measured on tiny at one stream: host work 0.14 -> 0.06 ms a step, round trips 0.07 -> 0.02).
 DEVICE_SPIN_S = 0.005
 HOST_SPIN_S = 0.002  # the host's spin around the moment the tokens are expected
 SPIN_LATE_S = 0.0002
 SPIN_PAUSE_S = 1.0
+SPIN_LATE_WEIGHT = 0.25  # three late events in a row pause the spin; one is forgotten
+
+
+class SpinGuard:
+    """Whether a spinner still has its core to itself, judged from how late it saw events."""
+
+    def __init__(self) -> None:
+        self.late = 0.0  # moving share of recent events seen late
+        self.paused_until = 0.0
+        self.pauses = 0  # times it stopped spinning
+
+    def spinning(self, now: float) -> bool:
+        return now >= self.paused_until
+
+    def saw(self, lateness: float, now: float) -> None:
+        """An event happened `lateness` seconds before the spinner saw it."""
+        self.late += SPIN_LATE_WEIGHT * ((lateness > SPIN_LATE_S) - self.late)
+        if self.late > 0.5:  # most recent events late: another program holds this core
+            self.paused_until = now + SPIN_PAUSE_S
+            self.late = 0.0
+            self.pauses += 1
 _HEAD = 2  # a host buffer row: [n, step, token_0 .. token_{n-1}]
 _LP_WIDTH = 1 + 2 * MAX_LOGPROBS  # a row of `token_logprobs` at most; one more column holds
 # the width used (in row 0), -1 when the step had no log-probabilities
@@ -211,7 +244,88 @@ def _mask_cache_put(cache: OrderedDict, key, value, cap: int) -> None:
         cache.popitem(last=False)
 
 
-def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_tokens,
+
+class CommandRing:
+    """The compute stream's command queue: a ring of bytes in shared memory and a doorbell.
+
+    What a GPU's driver does: the host writes each command into a ring both sides map and rings
+    a doorbell; the device takes commands in order. No system call on either side while both
+    spin (a pipe cost ~5 us a poll and as much a read here, on the device's critical path once
+    the pipeline keeps it busy). One producer (the host), one consumer (the device). The
+    doorbell is a semaphore posted once per command: the device spins on it without sleeping
+    (`acquire(block=False)`), or sleeps on it when it may not spin; its post and take also order
+    the ring's bytes between the two cores. Each command is a 16-byte head and its bytes,
+    padded to 8; a length of -1 says the rest of the ring is unused and the next command is at
+    its start. Beside each length, the moment the host rang the doorbell for it: how long a
+    command travelled is measured from there, not from before the host built it.
+    """
+
+    HEAD = 16  # bytes before each command: its length (int64), when it was sent (float64)
+
+    def __init__(self, ctx, capacity: int = 1 << 24):
+        assert capacity % 8 == 0
+        self.capacity = capacity
+        self.buf = torch.zeros(capacity, dtype=torch.uint8).share_memory_()
+        self.pos = torch.zeros(2, dtype=torch.int64).share_memory_()  # bytes written, taken
+        self.doorbell = ctx.Semaphore(0)
+        self._views()
+
+    def _views(self) -> None:
+        self._buf, self._pos = self.buf.numpy(), self.pos.numpy()
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("_buf", "_pos")}
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        self._views()
+
+    def _header(self, off: int, value: int | None = None) -> int:
+        view = self._buf[off:off + 8].view(np.int64)
+        if value is not None:
+            view[0] = value
+        return int(view[0])
+
+    def put(self, data: bytes, wait_for_room: Callable[[float], None]) -> None:
+        """Append one command and ring the doorbell; `wait_for_room(since)` is called, with
+        the `time.monotonic()` the wait began, while the ring is too full (the device has not
+        taken enough yet), and may raise."""
+        n = len(data)
+        need = self.HEAD + (n + 7) // 8 * 8
+        if need > self.capacity:
+            raise ValueError(f"a {n}-byte command does not fit the device's {self.capacity}-byte "
+                             "command ring")
+        w = int(self._pos[0])
+        off = w % self.capacity
+        skip = self.capacity - off if self.capacity - off < need else 0
+        since = time.monotonic()
+        while w + skip + need - int(self._pos[1]) > self.capacity:
+            wait_for_room(since)
+        if skip:
+            self._header(off, -1)  # the rest of the ring is unused
+            w, off = w + skip, 0
+        self._header(off, n)
+        self._buf[off + self.HEAD:off + self.HEAD + n] = np.frombuffer(data, np.uint8)
+        self._buf[off + 8:off + 16].view(np.float64)[0] = time.perf_counter()  # sent
+        self._pos[0] = w + need
+        self.doorbell.release()  # after the bytes: the device takes them only after this
+
+    def take(self) -> tuple[bytes, float]:
+        """The next command's bytes and when it was sent; only after a successful acquire of
+        the doorbell."""
+        r = int(self._pos[1])
+        off = r % self.capacity
+        n = self._header(off)
+        if n == -1:
+            r, off = r + self.capacity - off, 0
+            n = self._header(0)
+        data = self._buf[off + self.HEAD:off + self.HEAD + n].tobytes()
+        sent = float(self._buf[off + 8:off + 16].view(np.float64)[0])
+        self._pos[1] = r + self.HEAD + (n + 7) // 8 * 8
+        return data, sent
+
+
+def _device_main(model, runner_args, threads, cpus, ring, copy_done, host_tokens,
                  host_logprobs, done_at, trace, trace_n, status, error_flag, error_text, ready,
                  mask_cap) -> None:
     """The device process: runs the compute stream's commands in order, in its main thread.
@@ -239,43 +353,56 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
     trace_np, trace_n_np, host_np = trace.numpy(), trace_n.numpy(), host_tokens.numpy()
     host_lp_np, done_at_np = host_logprobs.numpy(), done_at.numpy()
     spin_ok = bool(cpus)  # spin only on a core of its own
-    paused_until = 0.0  # a late command: blocking waits until then
-    # [op, step, since, masks held]: what the device is doing (op -1: idle)
+    guard = SpinGuard()  # late commands: blocking waits for a while
+    # [op, step, since, masks held, spin pauses]: what the device is doing (op -1: idle)
     status_np = status.numpy()
 
     def record(lane: int, op: int, step: int, t0: float, t1: float) -> None:
         trace_np[lane, trace_n_np[lane] % _TRACE_CAP] = (op, step, t0, t1)
         trace_n_np[lane] += 1
 
+    parent = os.getppid()
     ready.put(None)
-    free_since = time.perf_counter()  # when the device last finished a command
+    free_since = time.perf_counter()  # when the device last finished a command's work
     try:
         while True:
             status_np[:3] = (-1, -1, free_since)
-            spinning = spin_ok and free_since >= paused_until
+            spinning = spin_ok and guard.spinning(free_since)
+            rung = False
             if spinning:
                 spin_until = free_since + DEVICE_SPIN_S
-                while not compute_rx.poll(0) and time.perf_counter() < spin_until:
-                    pass  # a GPU polls its queue: no wake-up between back-to-back commands
-            raw = compute_rx.recv_bytes()  # idle until a command has arrived
+                # a GPU polls its queue: no wake-up between back-to-back commands
+                while not (rung := ring.doorbell.acquire(block=False)) and \
+                        time.perf_counter() < spin_until:
+                    pass
+            while not rung:  # idle until a command has arrived (or the host has gone)
+                rung = ring.doorbell.acquire(timeout=1.0)
+                if not rung and os.getppid() != parent:
+                    return  # the host process died without closing us
             arrived = time.perf_counter()
-            msg = pickle.loads(raw)  # plain data: no tensors travel down the pipe
+            raw, sent = ring.take()
+            msg = pickle.loads(raw)  # plain data: no tensors travel in commands
             got = time.perf_counter()
             if msg is None:
                 return
-            (op, slot, step, payload), sent = msg
-            if spinning and arrived - max(sent, free_since) > SPIN_LATE_S:
-                paused_until = arrived + SPIN_PAUSE_S  # another program holds this core
+            op, slot, step, payload = msg
+            if spinning:
+                guard.saw(arrived - max(sent, free_since), arrived)
+                status_np[4] = guard.pauses
+            if sent < free_since:  # it was queued: the time to take it was the device's own
+                record(0, 5, step, free_since, arrived)
+            else:  # the device was idle: the command's travel is a round trip's first half
+                record(2, 6, step, sent, arrived)
             status_np[:3] = (_STATUS_OPS.index(op), step, got)
             record(0, 3, step, arrived, got)  # "recv": read and unpickle the command
             if op == "forward":
                 plans[slot] = payload
                 logits[slot] = runner.forward(payload)
-                record(0, 0, step, got, time.perf_counter())
+                free_since = time.perf_counter()
+                record(0, 0, step, got, free_since)
             elif op == "sample":
                 plan = plans[slot]
                 masks_sent, history = payload
-                t0 = time.perf_counter()
                 rows = {}
                 for row, (key, packed) in (masks_sent or {}).items():
                     if packed is not None:  # first use of this mask: unpack and keep it
@@ -284,9 +411,9 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
                     masks.move_to_end(key)
                     rows[row] = masks[key]
                 status_np[3] = len(masks)
-                t1 = time.perf_counter()
+                t1 = time.perf_counter() if masks_sent else got
                 if masks_sent:
-                    record(0, 4, step, t0, t1)  # "unpack"
+                    record(0, 4, step, got, t1)  # "unpack"
                 mask = allowed_tensor(rows, plan.batch_size, vocab, runner.device)
                 tokens = runner.sample(plan, logits[slot], mask, history=history).numpy()
                 logits[slot] = None
@@ -300,15 +427,15 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
                 host_lp_np[slot, 0, -1] = -1 if lp is None else lp.shape[1]
                 done_at_np[slot] = time.perf_counter()  # for the host's wait: when it was ready
                 host_np[slot, 1] = step  # the stamp last: a buffer with it is complete
-                t3 = time.perf_counter()
-                record(0, 1, step, t1, t2)
-                record(1, 2, step, t2, t3)
+                free_since = time.perf_counter()
                 copy_done[slot].release()  # the copy's event
+                record(0, 1, step, t1, t2)
+                record(1, 2, step, t2, free_since)
             elif op == "fault":  # tests: a failure inside the device
                 raise RuntimeError(f"injected device fault: {payload}")
             elif op == "stall":  # tests: a device that is alive but does not answer
                 time.sleep(payload)
-            free_since = time.perf_counter()
+                free_since = time.perf_counter()
     except BaseException:
         text = traceback.format_exc().encode()[:_ERROR_CAP]
         error_text.numpy()[:len(text)] = np.frombuffer(text, np.uint8)
@@ -321,11 +448,12 @@ def _device_main(model, runner_args, threads, cpus, compute_rx, copy_done, host_
 class ProcessDevice(Device):
     """A simulated accelerator: another OS process owns the weights, the KV pool, last_tokens.
 
-    Launching sends a command down the compute stream's pipe and returns at once; the device
-    process runs the commands in order. Host buffers are shared memory both processes map (the
-    stand-in for pinned memory); each copy is stamped with its step, and the copy's event is a
-    `multiprocessing.Semaphore` per slot. A process, not a thread: with pure-Python host work a
-    device thread would share the GIL with the host and the two could not overlap.
+    Launching writes a command into the compute stream's ring (`CommandRing`) and returns at
+    once; the device process runs the commands in order. Host buffers are shared memory both
+    processes map (the stand-in for pinned memory); each copy is stamped with its step, and the
+    copy's event is a `multiprocessing.Semaphore` per slot. A process, not a thread: with
+    pure-Python host work a device thread would share the GIL with the host and the two could
+    not overlap.
 
     Failures: an error inside the device is written to shared memory (a sticky flag and the
     traceback) before any waiter is woken, and the device process exits; from then on every
@@ -367,10 +495,11 @@ class ProcessDevice(Device):
         self.done_at = torch.zeros(NUM_SLOTS, dtype=torch.float64).share_memory_()
         self._done_at_np = self.done_at.numpy()
         self._expect_s = 0.0  # how long a wait for tokens lasts, from the device's clock (EMA)
-        self._spin_paused_until = 0.0  # a late wake-up: blocking waits until then
-        self.trace = torch.zeros(2, _TRACE_CAP, 4, dtype=torch.float64).share_memory_()
-        self.trace_n = torch.zeros(2, dtype=torch.long).share_memory_()
-        self.status = torch.zeros(4, dtype=torch.float64).share_memory_()
+        self._guard = SpinGuard()  # late wake-ups: blocking waits for a while
+        self.trace = torch.zeros(len(_LANES), _TRACE_CAP, 4, dtype=torch.float64).share_memory_()
+        self.trace_n = torch.zeros(len(_LANES), dtype=torch.long).share_memory_()
+        self._trace_n_np = self.trace_n.numpy()  # a numpy read: ~0.2 us; a torch index: ~2-20
+        self.status = torch.zeros(5, dtype=torch.float64).share_memory_()
         self.mask_cache_cap = mask_cache_cap
         self.error_flag = torch.zeros(2, dtype=torch.long).share_memory_()  # (failed, length)
         self.error_text = torch.zeros(_ERROR_CAP, dtype=torch.uint8).share_memory_()
@@ -379,18 +508,18 @@ class ProcessDevice(Device):
         # device, to wake the host); cheaper than a multiprocessing.Event
         self.copy_done = [ctx.Semaphore(0) for _ in range(NUM_SLOTS)]
         ready = ctx.Queue()
-        compute_rx, self._compute = ctx.Pipe(duplex=False)
+        self._ring = CommandRing(ctx)
         self.proc = ctx.Process(
             target=_device_main, daemon=True, name="labkit-device",
             args=(model, (num_blocks, block_size, max_seqs, cache, "cpu", attention), threads,
-                  self.device_cpus, compute_rx, self.copy_done, self.host_tokens,
+                  self.device_cpus, self._ring, self.copy_done, self.host_tokens,
                   self.host_logprobs, self.done_at, self.trace,
                   self.trace_n, self.status, self.error_flag, self.error_text, ready,
                   mask_cache_cap))
         self.proc.start()
         self._host_masks: OrderedDict[int, tuple[torch.Tensor, bytes, bytes]] = OrderedDict()
         self._device_masks: OrderedDict[bytes, None] = OrderedDict()  # mirrors the device's
-        self._trace_read = [0, 0]
+        self._trace_read = [0] * len(_LANES)
         self._slot_step = [-1] * NUM_SLOTS
         deadline = time.monotonic() + start_timeout_s
         while True:  # ready, or an error, or a process that died before it could say either
@@ -436,7 +565,7 @@ class ProcessDevice(Device):
 
     def _doing(self) -> str:
         """What the device reports it is doing, for a stall message."""
-        op, step, since, _ = self.status.tolist()
+        op, step, since = self.status.tolist()[:3]
         ago = time.perf_counter() - since
         if op == -1:
             return f"idle, waiting for a command, for {ago:.1f} s"
@@ -445,14 +574,17 @@ class ProcessDevice(Device):
 
     def _send(self, cmd) -> None:
         self._check()
-        try:
-            # plain pickle: a plan is lists and numbers (Connection.send's reducer, which can
-            # pass tensors, cost ~20 us a command)
-            self._compute.send_bytes(pickle.dumps((cmd, time.perf_counter()),
-                                                  protocol=pickle.HIGHEST_PROTOCOL))
-        except (BrokenPipeError, OSError):
-            self._check(alive=True)
-            self._fail("the simulated device stopped taking commands (its pipe is closed)")
+        # plain pickle: a plan is lists and numbers (multiprocessing's reducer, which can pass
+        # tensors, cost ~20 us a command)
+        self._ring.put(pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL), self._wait_for_room)
+
+    def _wait_for_room(self, since: float) -> None:
+        """The command ring is full: the device is behind by 16 MB of commands, or stuck."""
+        self._check(alive=True)
+        if time.monotonic() - since > self.stall_timeout_s:
+            self._fail(f"the simulated device stalled: its command ring stayed full for "
+                       f"{self.stall_timeout_s:.0f} s; the device was {self._doing()}")
+        time.sleep(0.0005)
 
     # -- the four launches ---------------------------------------------------------------------
 
@@ -495,12 +627,13 @@ class ProcessDevice(Device):
         """Nothing to send: the sample writes the slot's host buffer itself (see the module)."""
         self._check()
 
-    def _spin_for(self, slot: int, step: int) -> None:
+    def _spin_for(self, slot: int, step: int) -> bool:
         """Sleep through most of the expected wait, then spin on the stamp (a CUDA event wait
         spins too): the host sees the tokens microseconds after they land, not an OS wake-up
-        later. Only with the device on a core of its own, else spinning would starve it."""
-        if self.device_cpus is None or time.perf_counter() < self._spin_paused_until:
-            return
+        later. Only with the device on a core of its own, else spinning would starve it.
+        True if the stamp arrived while spinning."""
+        if self.device_cpus is None or not self._guard.spinning(time.perf_counter()):
+            return False
         host, t0 = self._host_np, time.perf_counter()
         # sleep through 90% of the expected wait, spin through the rest and 30% beyond it
         # (a step's time varies by more than a fixed margin on a long step)
@@ -512,18 +645,39 @@ class ProcessDevice(Device):
         spun = now = time.perf_counter()
         while int(host[slot, 1]) != step and (now := time.perf_counter()) < until:
             pass
+        if int(host[slot, 1]) != step:
+            return False
         done = float(self._done_at_np[slot])
-        if int(host[slot, 1]) == step and done > spun and now - done > SPIN_LATE_S:
-            self._spin_paused_until = now + SPIN_PAUSE_S  # another program holds this core
+        if done > spun:
+            self._guard.saw(now - done, now)
+        return True
 
     def wait_tokens(self, slot: int) -> list[int]:
         """Wait for the slot's stamped tokens; a failed or stalled device raises DeviceError."""
         step = self._slot_step[slot]
         host = self._host_np
         entered = time.perf_counter()
-        self._spin_for(slot, step)
+        if self._spin_for(slot, step):
+            # the fast path: the stamp is there. The device sets the copy's event just after
+            # the stamp; take it (a few microseconds at most) so that the count stays one per
+            # copy, and a later blocking wait does not wake for this one
+            until = time.perf_counter() + 0.001
+            while not self.copy_done[slot].acquire(block=False) and time.perf_counter() < until:
+                pass
+        else:
+            self._wait_blocking(slot, step)
+        # the device's own clock says how long this wait had to be: the next one sleeps that
+        waited = max(0.0, float(self._done_at_np[slot]) - entered)
+        self._expect_s += 0.25 * (waited - self._expect_s)
+        n = int(host[slot, 0])
+        return host[slot, _HEAD:n + _HEAD].tolist()
+
+    def _wait_blocking(self, slot: int, step: int) -> None:
+        """Block on the copy's event until the slot holds `step`'s stamp; raise DeviceError
+        for a failed device, or one that finished nothing for `stall_timeout_s`."""
+        host = self._host_np
         acquired = False
-        progress, since = int(self.trace_n[0]), time.monotonic()
+        progress, since = int(self._trace_n_np[0]), time.monotonic()
         while True:
             self._check()
             stamp = int(host[slot, 1])
@@ -536,19 +690,14 @@ class ProcessDevice(Device):
                 acquired = True
                 continue
             self._check(alive=True)
-            if int(self.trace_n[0]) != progress:  # the device finished something: not stalled
-                progress, since = int(self.trace_n[0]), time.monotonic()
+            if int(self._trace_n_np[0]) != progress:  # the device finished something
+                progress, since = int(self._trace_n_np[0]), time.monotonic()
             elif time.monotonic() - since > self.stall_timeout_s:
                 self._fail(f"the simulated device stalled: nothing finished for "
                            f"{self.stall_timeout_s:.0f} s while the host waited for step "
                            f"{step}'s tokens (slot {slot}); the device was {self._doing()}")
         if not acquired:  # the copy's event fired before we waited: take it, keep the count
             self.copy_done[slot].acquire(block=False)
-        # the device's own clock says how long this wait had to be: the next one sleeps that
-        waited = max(0.0, float(self._done_at_np[slot]) - entered)
-        self._expect_s += 0.25 * (waited - self._expect_s)
-        n = int(host[slot, 0])
-        return host[slot, _HEAD:n + _HEAD].tolist()
 
     def logprobs(self, slot: int) -> list[list[float]] | None:
         width = int(self._host_lp_np[slot, 0, -1])
@@ -569,11 +718,17 @@ class ProcessDevice(Device):
         """Constraint masks the device process holds now (at most `mask_cache_cap`)."""
         return int(self.status[3])
 
+    @property
+    def spin_pauses(self) -> tuple[int, int]:
+        """(host, device): how many times each side stopped spinning because it saw events
+        late (another program shares its core). Both 0: every round trip was a spin's."""
+        return self._guard.pauses, int(self.status[4])
+
     def spans(self) -> list[tuple[str, str, int, float, float]]:
         """Device spans recorded since the last call: (lane, op, step, t0, t1)."""
         out = []
-        for lane in range(2):
-            n = int(self.trace_n[lane])
+        for lane in range(len(_LANES)):
+            n = int(self._trace_n_np[lane])
             start = max(self._trace_read[lane], n - _TRACE_CAP)
             for i in range(start, n):
                 op, step, t0, t1 = self.trace[lane, i % _TRACE_CAP].tolist()
@@ -601,15 +756,12 @@ class ProcessDevice(Device):
         self._closed = True
         healthy = self._failed is None and not self._error_np[0] and self.proc.is_alive()
         if healthy:
-            try:
-                self._compute.send(None)
-            except (BrokenPipeError, OSError):
-                pass
+            with contextlib.suppress(DeviceError):
+                self._ring.put(pickle.dumps(None), self._wait_for_room)
             self.proc.join(timeout=10)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
-        self._compute.close()
 
     def __del__(self) -> None:
         try:

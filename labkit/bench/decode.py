@@ -9,9 +9,10 @@ pairs, in the shape of Photon's table. Turns, not whole runs, because a shared m
 speed within seconds: two runs a second apart can differ by more than the pipeline wins.
 
 From the blocking turn of each pair come the terms of the cost model, each booked where it is
-spent: T_host (the host's own work per step: plan, launch, sample launch, commit, from its
-spans), T_device (the device's forward and sample, from its spans) and T_other (the rest of the
-blocking step: the round trips between them, command, wake-up, copy). The pipeline turns the
+spent: T_host (the host's own work per step: everything but its wait for the tokens: plan,
+launch, sample launch, commit and the loop's Python between them), T_device (the device's
+forward and sample, first command to last, from its spans) and T_other (the rest of the blocking
+step: the round trips between them, command, wake-up, copy). The pipeline turns the
 whole blocking step into the longest of three chains: the device's work; the host's work plus
 one round trip (the host commits step t only once its tokens have arrived, and the device
 samples step t+1 only once the command built from that commit has arrived: the round trip sits
@@ -37,6 +38,7 @@ is the share of decode rows a whole pipelined run spent on sequences that had al
 
 from __future__ import annotations
 
+import bisect
 import gc
 import json
 import os
@@ -188,22 +190,23 @@ def run_once(engine, prompt_ids: list[list[int]], tokens: int, decoder: str,
             "timeline": tl}
 
 
-HOST_WORK = ("plan", "prefill", "decode", "sample", "commit")  # host spans that are work
+HOST_WAITS = ("wait",)  # the host's spans that are not work: it waits for the device's tokens
 
 
-def steady_ms_per_step(timeline, skip: int = 2, envelope: bool = True
-                       ) -> tuple[float, float, float] | None:
-    """(wall ms, host work ms, device ms) per decode step of one segment, in steady state.
+def step_terms(timeline, skip: int = 2, envelope: bool = True
+               ) -> tuple[list[float], list[float], list[float]] | None:
+    """Per decode step of one segment, in steady state: (periods, host work, device) in
+    seconds, one entry per launch-to-launch period after the first `skip` (a pipelined segment
+    starts empty and needs two launches to fill).
 
-    Wall: the period between consecutive decode launches, after the first `skip` periods (a
-    pipelined segment starts empty and needs two launches to fill). Host work: the host's own
-    spans (plan, launch, sample launch, commit; not its waits) of the steps those periods
-    begin. Device: with `envelope` (a blocking run), from the start of the step's first
-    command on the device to the end of its last: the device runs a step's commands back to
-    back, and the gaps between them are its own dispatch (a GPU's between kernels), not a
-    round trip; without it (a pipelined run, whose device may wait between a step's forward
-    and its sample), the sum of its spans. None if the segment is too short to have a steady
-    state.
+    Host work: the whole period but the host's waits for tokens: its spans (plan, launch,
+    sample launch, commit) and the loop's own Python between them, which is bookkeeping too
+    (on tiny at one stream, a fifth of the host's part). Device: with `envelope` (a blocking
+    run), from the start of the step's first command on the device to the end of its last:
+    the device runs a step's commands back to back, and the gaps between them are its own
+    dispatch (a GPU's between kernels), not a round trip; without it (a pipelined run, whose
+    device may wait between a step's forward and its sample), the sum of its spans (its
+    "dispatch" spans included). None if the segment is too short to have a steady state.
     """
     decodes = [s for s in timeline.lane("host") if s.label == "decode"]
     if len(decodes) < skip + 2:
@@ -211,23 +214,82 @@ def steady_ms_per_step(timeline, skip: int = 2, envelope: bool = True
     launches = [s.t0 for s in decodes[skip:]]
     counted = [s.step for s in decodes[skip:-1]]
 
-    def per_step(lane, labels=None):
-        return [sum(s.duration for s in timeline.lane(lane)
-                    if s.step == step and (labels is None or s.label in labels))
-                for step in counted] + [0.0]  # the last launch begins no counted period
+    def per_step(lane):
+        return [sum(s.duration for s in timeline.lane(lane) if s.step == step)
+                for step in counted]
+
+    periods = [b - a for a, b in zip(launches, launches[1:])]
+    waits = [0.0] * len(periods)
+    for s in timeline.lane("host"):
+        if s.label in HOST_WAITS:
+            i = bisect.bisect_right(launches, s.t0) - 1
+            if 0 <= i < len(periods):
+                waits[i] += s.duration
 
     def device_envelope():
         spans = {}
         for s in timeline.lane("compute"):
             a, b = spans.get(s.step, (s.t0, s.t1))
             spans[s.step] = (min(a, s.t0), max(b, s.t1))
-        return [spans[step][1] - spans[step][0] if step in spans else 0.0
-                for step in counted] + [0.0]
+        return [spans[step][1] - spans[step][0] if step in spans else 0.0 for step in counted]
 
     device = device_envelope() if envelope else per_step("compute")
-    t_host, t_device, _ = cost_model(launches, per_step("host", HOST_WORK), device)
-    n = len(launches) - 1
-    return (launches[-1] - launches[0]) / n * 1e3, t_host * 1e3, t_device * 1e3
+    return periods, [p - w for p, w in zip(periods, waits)], device
+
+
+def steady_ms_per_step(timeline, skip: int = 2, envelope: bool = True
+                       ) -> tuple[float, float, float] | None:
+    """(wall ms, host work ms, device ms) per decode step of one segment, in steady state:
+    the means of `step_terms` (same arguments), so that wall = host + device + the rest."""
+    terms = step_terms(timeline, skip, envelope)
+    if terms is None:
+        return None
+    return tuple(statistics.fmean(x) * 1e3 for x in terms)
+
+
+def typical_ms_per_step(timelines, skip: int = 2) -> tuple[float, float, float]:
+    """(T_host, T_device, T_other) in ms of the *typical* blocking step: per-step medians over
+    the steady steps of every timeline given. Where the means (`steady_ms_per_step`) book every
+    millisecond, including the time slices another program takes from a waiting process, the
+    medians show what the mechanism itself costs in a step nobody interrupted."""
+    host, device, other = [], [], []
+    for tl in timelines:
+        terms = step_terms(tl, skip, envelope=True)
+        if terms is None:
+            continue
+        for period, h, d in zip(*terms):
+            host.append(h)
+            device.append(d)
+            other.append(period - h - d)
+    if not host:
+        raise ValueError("no blocking run long enough to have a steady step")
+    return tuple(statistics.median(x) * 1e3 for x in (host, device, other))
+
+
+def round_trip_ms_per_step(timelines, skip: int = 2) -> tuple[float, float]:
+    """(command, return) in ms: the round trip of the typical blocking decode step, measured
+    directly (medians over the steady steps of every timeline given).
+
+    Command: the step's first command's travel from the host's send to the device taking it
+    (the device's "link" span; recorded when the device was idle, as it is in a blocking loop).
+    Return: from the end of the device's copy of the step's tokens to the end of the host's
+    wait for them, its wake-up and the wait's own bookkeeping. Zeros where a device records no
+    travel (in-process, CUDA: a launch there is a function call or a driver's ring write)."""
+    command, back = [], []
+    for tl in timelines:
+        steps = [s.step for s in tl.lane("host") if s.label == "decode"][skip:]
+        link = {}
+        for s in tl.lane("link"):
+            link.setdefault(s.step, s)  # the step's first command: its forward
+        copies = {s.step: s for s in tl.lane("copy")}
+        waits = {s.step: s for s in tl.lane("host") if s.label == "wait"}
+        for step in steps:
+            if step in link and step in copies and step in waits:
+                command.append(link[step].duration)
+                back.append(waits[step].t1 - copies[step].t1)
+    if not command:
+        return 0.0, 0.0
+    return statistics.median(command) * 1e3, statistics.median(back) * 1e3
 
 
 def sample_ms_per_step(timeline, skip: int = 2, launches: tuple[str, ...] = ("decode",)
@@ -336,10 +398,12 @@ def bench_streams(engine, tok, streams: int, tokens: int, repeats: int,
     t_sample = mean("t_sample_ms")
     predicted = predicted_speedup(t_host, t_device, t_other, cores, t_sample)
     last = whole["pipelined"]
+    command_ms, back_ms = round_trip_ms_per_step([whole["blocking"]["timeline"]])
     return {
         "streams": streams, "blocking_ms": blocking, "pipelined_ms": pipelined,
         "speedup": blocking / pipelined, "t_host_ms": t_host, "t_device_ms": t_device,
         "t_other_ms": t_other, "predicted_speedup": predicted,
+        "round_trip_ms": {"command": command_ms, "back": back_ms},  # typical blocking step
         "hidden_host_share": hidden_shares(t_host, t_device, t_other)[0],
         "hidden_trip_share": hidden_shares(t_host, t_device, t_other)[1],
         "pair_speedups": [p["blocking_ms"] / p["pipelined_ms"] for p in pairs],
@@ -456,6 +520,12 @@ def main(argv: list[str]) -> int:
     for hw, s, b, pl, gain in PHOTON:
         print(f"{'Photon ' + hw + ' (published)':<34} {s:>7} {b:>11.2f} {pl:>12.2f} "
               f"{gain:>+7.1f}%")
+    for r in rows:
+        trip = r["round_trip_ms"]
+        if trip["command"] or trip["back"]:
+            print(f"{r['streams']} streams, the typical blocking step's round trip, measured: "
+                  f"command {trip['command'] * 1e3:.1f} us + tokens back {trip['back'] * 1e3:.1f} "
+                  f"us = {(trip['command'] + trip['back']) / r['t_host_ms']:.0%} of T_host")
     note = (f"model {args.model} ({args.dtype}), {args.tokens} tokens per request; means over "
             f"{', '.join(str(r['pairs']) for r in rows)} pairs of {args.segment}-step turns; "
             f"zombie tax = decode rows run for finished sequences (Photon: ~1% at 1 stream)")

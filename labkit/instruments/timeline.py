@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 class Span:
     """One interval of work on one lane."""
 
-    lane: str  # "host", "compute" or "copy"
+    lane: str  # "host", "compute", "copy", or "link" (a command's travel to the device)
     label: str
     step: int
     t0: float  # seconds, time.perf_counter() clock (shared by the host and device processes)
@@ -114,16 +114,16 @@ class Timeline:
 
         if ax is None:
             _, ax = plt.subplots(figsize=(11, 2.6))
-        spans = self.spans
+        lanes = ["copy", "compute", "host"]
+        spans = [s for s in self.spans if s.lane in lanes]  # not the link's travel spans
         if window is not None:  # only steps window[0] <= step < window[1]
             spans = [s for s in spans if window[0] <= s.step < window[1]]
         if not spans:
             return ax
         t0 = min(s.t0 for s in spans)
         t1 = max(s.t1 for s in spans)
-        lanes = ["copy", "compute", "host"]
         colors = {"forward": "tab:blue", "sample": "tab:cyan", "recv": "slategray",
-                  "unpack": "lightsteelblue", "copy": "tab:purple",
+                  "unpack": "lightsteelblue", "dispatch": "silver", "copy": "tab:purple",
                   "plan": "gold", "decode": "tab:orange", "prefill": "tab:brown",
                   "mixed": "chocolate",
                   "commit": "tab:red", "wait": "lightgray"}
