@@ -166,6 +166,33 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """lin(x) [T, N] for x [T, K]. An fp32 `nn.Linear` on a step of a few rows (decode at a small
+    batch, a speculative verify) runs labkit's kernel on the CPU: it reads each weight once for
+    all the rows, where a BLAS made for large products reads them more than once, and its
+    result for a row does not depend on how many rows share the step. Any other linear (a
+    quantized one, a large step, a GPU), or one with hooks on it (labkit.awq's calibration),
+    is called as it is."""
+    if type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks):
+        y = few_rows_fp32(x, lin.weight)
+        if y is not None:
+            return y if lin.bias is None else y + lin.bias
+    return lin(x)
+
+
+def few_rows_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x @ weight.T by labkit's fp32 kernel where it serves (a CPU step of at most
+    `_FP32_KERNEL_ROWS` rows, fp32 weights), else None. decoder_stack.cpp decides the same way."""
+    if x.shape[0] > _FP32_KERNEL_ROWS or weight.dtype != torch.float32 or \
+            not weight.is_contiguous():
+        return None
+    kernels = cpu_kernels.usable(x)
+    return None if kernels is None else kernels.fp32_linear(x.contiguous(), weight)
+
+
+_FP32_KERNEL_ROWS = 8  # = kFp32KernelRows in labkit/kernels/kernels.h (tests check they agree)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm SwiGLU block, both residual."""
 
@@ -212,24 +239,25 @@ class DecoderLayer(nn.Module):
         # x: [T, d]
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         if self.qkv_proj is not None:  # fused: one call, and one RoPE for q and k together
-            qkv = self.qkv_proj(h).view(t, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+            qkv = linear(self.qkv_proj, h).view(t, cfg.num_heads + 2 * cfg.num_kv_heads,
+                                                cfg.head_dim)
             qk = apply_rope(qkv[:, :cfg.num_heads + cfg.num_kv_heads], cos, sin)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]  # [T, H, D], [T, Hkv, D]
             v = qkv[:, cfg.num_heads + cfg.num_kv_heads:]  # v: [T, Hkv, D]
         else:
-            q = self.q_proj(h).view(t, cfg.num_heads, cfg.head_dim)  # q: [T, H, D]
-            k = self.k_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)  # k: [T, Hkv, D]
-            v = self.v_proj(h).view(t, cfg.num_kv_heads, cfg.head_dim)  # v: [T, Hkv, D]
+            q = linear(self.q_proj, h).view(t, cfg.num_heads, cfg.head_dim)  # q: [T, H, D]
+            k = linear(self.k_proj, h).view(t, cfg.num_kv_heads, cfg.head_dim)  # k: [T, Hkv, D]
+            v = linear(self.v_proj, h).view(t, cfg.num_kv_heads, cfg.head_dim)  # v: [T, Hkv, D]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn.attend(self.layer, q, k, v)  # o: [T, H, D]
-        x = x + self.o_proj(o.reshape(t, cfg.num_heads * cfg.head_dim))  # a new x: ours to add to
+        x = x + linear(self.o_proj, o.reshape(t, cfg.num_heads * cfg.head_dim))  # a new x
         h = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(h)  # [T, 2F]: two slices, cheaper than chunk()
+            gate_up = linear(self.gate_up_proj, h)  # [T, 2F]: two slices, cheaper than chunk()
             gate, up = gate_up[:, :cfg.intermediate_size], gate_up[:, cfg.intermediate_size:]
         else:
-            gate, up = self.gate_proj(h), self.up_proj(h)
-        return x.add_(self.down_proj(silu_mul(gate, up)))
+            gate, up = linear(self.gate_proj, h), linear(self.up_proj, h)
+        return x.add_(linear(self.down_proj, silu_mul(gate, up)))
 
 
 def concat_linears(linears: list[nn.Module]) -> nn.Module:
@@ -286,10 +314,14 @@ class LlamaModel(nn.Module):
                 x = layer(x, cos, sin, attn)
         if logit_rows is not None:
             x = x[logit_rows]
-        x = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+        return self.head(rms_norm(x, self.final_norm, self.cfg.rms_norm_eps))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [R, V] of final-normed hidden states x [R, d]."""
         if self.lm_head is not None:  # untied, or a quantized head (labkit.quant)
-            return self.lm_head(x)  # [R, V]
-        return x @ self.embed.weight.t()  # [R, V]
+            return linear(self.lm_head, x)
+        logits = few_rows_fp32(x, self.embed.weight)  # tied: the embedding is the head
+        return logits if logits is not None else x @ self.embed.weight.t()
 
 
 def init_random(model: LlamaModel, seed: int = 0) -> LlamaModel:

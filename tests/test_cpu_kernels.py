@@ -7,9 +7,10 @@ result does not depend on what else is in its step."""
 import pytest
 import torch
 
+from labkit import model as model_mod
 from labkit.attention import AttentionMeta, NaiveAttention, PagedAttention
 from labkit.kernels import cpu as cpu_kernels
-from labkit.model import ModelConfig
+from labkit.model import ModelConfig, linear
 from labkit.paged_kv import PagedKVCache
 from labkit.quant import QuantLinear, QuantScheme
 
@@ -48,6 +49,42 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     alone = torch.cat([lin(x[i:i + 1]) for i in range(11)])
     for m in (2, 3, 4, 5, 11):
         assert torch.equal(lin(x[:m]), alone[:m]), m
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fp32_kernel_equals_torchs_linear(rows, bias):
+    gen = torch.Generator().manual_seed(4)
+    lin = torch.nn.Linear(100, 200, bias=bias)  # K = 100: a tail of 4; N = 200: 33 x 6 + 2
+    x = torch.randn(rows, 100, generator=gen)
+    got = linear(lin, x)
+    assert torch.equal(got, built.fp32_linear(x, lin.weight) + (lin.bias if bias else 0))
+    torch.testing.assert_close(got, lin(x), rtol=1e-5, atol=1e-5)  # only the order of the sums
+
+
+@needs_kernel
+def test_an_fp32_rows_result_does_not_depend_on_the_rows_beside_it():
+    # a speculative verify of k + 1 rows must score each position as a 1-row step would
+    w = torch.randn(9, 100, generator=torch.Generator().manual_seed(5))  # blocks of 6, 3
+    x = torch.randn(8, 100, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([built.fp32_linear(x[i:i + 1], w) for i in range(8)])
+    for m in range(2, 9):  # 1x6 .. 3x6 tiles below 4 rows, 4x3 tiles and their tails above
+        assert torch.equal(built.fp32_linear(x[:m], w), alone[:m]), m
+
+
+@needs_kernel
+def test_the_fp32_kernel_serves_few_rows_only_and_python_agrees_with_the_stack():
+    assert model_mod._FP32_KERNEL_ROWS == built.FP32_KERNEL_ROWS  # the stack decides alike
+    lin = torch.nn.Linear(64, 48, bias=False)
+    x = torch.randn(built.FP32_KERNEL_ROWS + 1, 64)
+    assert torch.equal(linear(lin, x), lin(x))  # a large step: torch's BLAS
+    quant = _int8_linear(n=48, k=64)
+    assert torch.equal(linear(quant, x[:2]), quant(x[:2]))  # not an fp32 nn.Linear: as it is
+    seen = []
+    lin.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    linear(lin, x[:2])  # a hook on it (calibration): the module is called, so the hook runs
+    assert seen == [(2, 48)]
 
 
 def test_without_the_kernel_quantlinear_uses_torchs(monkeypatch):

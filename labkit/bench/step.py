@@ -25,12 +25,15 @@ close the kernels come to reading their weights as fast as this CPU can read byt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import nullcontext
 
+from labkit import model as model_mod
 from labkit.bench.report import report_rows
 from labkit.cli_parser import command_parser
 
@@ -85,8 +88,10 @@ class _Timers:
         return timed
 
 
-def _instrument(engine, timers: _Timers) -> None:
-    """Put timers around the pieces of this one engine (its instance attributes only)."""
+@contextlib.contextmanager
+def _instrument(engine, timers: _Timers) -> Iterator[None]:
+    """Put timers around the pieces of this one engine (its instance attributes, and the
+    layers' linears: `labkit.model.linear`, put back after the block)."""
     runner = engine.device.runner
     backend, model = runner.backend, runner.model
     for name in ("plan_decode", "plan_step"):  # whichever planning piece the engine has
@@ -99,13 +104,25 @@ def _instrument(engine, timers: _Timers) -> None:
     # the whole attention call: the write of the new k, v, the read of the context (on the CPU
     # one kernel call does both, in place; elsewhere two index_copy_, a gather and SDPA)
     backend.attend = timers.wrap("kv write + attention", backend.attend)
+    labels = {}  # id(linear module) -> phase
     for layer in model.layers:
         for label, names in (("qkvo proj", ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")),
                              ("mlp", ("gate_proj", "up_proj", "gate_up_proj", "down_proj"))):
             for name in names:  # separate or fused (LlamaModel.fuse_projections)
                 m = getattr(layer, name, None)
                 if m is not None:
-                    m.forward = timers.wrap(label, m.forward)
+                    labels[id(m)] = label
+    plain = model_mod.linear
+    wrapped = {label: timers.wrap(label, plain) for label in set(labels.values())}
+
+    def linear(lin, x):  # every layer calls its linears through labkit.model.linear
+        return wrapped[labels[id(lin)]](lin, x) if id(lin) in labels else plain(lin, x)
+
+    model_mod.linear = linear
+    try:
+        yield
+    finally:
+        model_mod.linear = plain
 
 
 def _head_s(model, batch: int, repeats: int) -> float:
@@ -120,8 +137,7 @@ def _head_s(model, batch: int, repeats: int) -> float:
         for _ in range(repeats):
             t0 = time.perf_counter()
             h = rms_norm(x, model.final_norm, model.cfg.rms_norm_eps)
-            # an untied or quantized head is a module; a tied one is the embedding matrix
-            model.lm_head(h) if model.lm_head is not None else h @ model.embed.weight.t()
+            model.head(h)  # a module (untied, quantized), or the embedding matrix (tied)
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -191,14 +207,13 @@ def bench_step(model, batch: int, context: int, steps: int) -> dict:
     from labkit.kernels import stack as decoder_stack
 
     timers = _Timers()
-    _instrument(engine, timers)
-    timers.on = True
-    t0 = time.perf_counter()
-    with decoder_stack.disabled():  # the phases are the Python layers' pieces
+    with _instrument(engine, timers), decoder_stack.disabled():  # the Python layers' pieces
+        timers.on = True
+        t0 = time.perf_counter()
         for _ in range(steps):
             run(engine, "blocking", max_steps=1)
-    profiled = (time.perf_counter() - t0) / steps
-    timers.on = False
+        profiled = (time.perf_counter() - t0) / steps
+        timers.on = False
     engine.close()
     per = {k: v / steps for k, v in timers.s.items()}
     head = _head_s(model, batch, steps)

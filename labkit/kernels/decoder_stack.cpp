@@ -142,8 +142,12 @@ class DecoderStack {
     return timed([&] {
       at::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
       switch (lin.kind) {
-        case kFp32:
-          return at::linear(x_in, lin.a, lin.bias);
+        case kFp32: {  // few rows: labkit's kernel (as labkit.model.few_rows_fp32 chooses)
+          if (x.size(0) > kFp32KernelRows || !lin.a.is_contiguous())
+            return at::linear(x_in, lin.a, lin.bias);
+          at::Tensor y = fp32_linear(x, lin.a);
+          return lin.bias ? y + *lin.bias : y;
+        }
         case kInt8: {
           at::Tensor y = int8_linear(x, lin.a, lin.b);
           return lin.bias ? y + *lin.bias : y;

@@ -4,6 +4,9 @@
 
 #include <torch/extension.h>
 
+// fp32_linear serves steps of up to this many rows (decode at small batch, a speculative verify)
+constexpr int64_t kFp32KernelRows = 8;
+at::Tensor fp32_linear(at::Tensor x, at::Tensor w);
 at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s);
 at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz);
 at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz);

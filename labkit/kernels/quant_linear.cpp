@@ -1,6 +1,7 @@
-// The quantized linears, y = x W^T with W stored in fewer bits: int8_linear (int8 codes, one
-// fp32 scale per output row), int4_linear (4-bit codes, a bf16 scale and zero per group of K)
-// and int4_linear_bf16 (the same on a bf16 dot product, AVX512-BF16 CPUs). int4_linear's many-
+// The linears labkit computes itself, y = x W^T: fp32_linear (fp32 weights, a few rows), and
+// with W stored in fewer bits int8_linear (int8 codes, one fp32 scale per output row),
+// int4_linear (4-bit codes, a bf16 scale and zero per group of K) and int4_linear_bf16 (the
+// same on a bf16 dot product, AVX512-BF16 CPUs). int4_linear's many-
 // row path reuses int8_linear's fp32 tiles on codes it dequantized into an L1 buffer.
 #include "lanes.h"
 
@@ -51,6 +52,20 @@ static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, floa
       y[i * ldy + j] = s;
     }
 #endif
+}
+
+// every row of x against RN weight rows, in tiles of at most 3 rows of x (3 x 6: 18
+// accumulators, 6 weights and an x in registers; the weight rows come from L1 after the
+// first tile)
+template <int RN, class W>
+static void rows3(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) tile<3, RN>(x + m * K, K, w, K, y + m * N, N);
+  switch (M - m) {
+    case 2: tile<2, RN>(x + m * K, K, w, K, y + m * N, N); break;
+    case 1: tile<1, RN>(x + m * K, K, w, K, y + m * N, N); break;
+    default: break;
+  }
 }
 
 template <int RN, class W>
@@ -109,6 +124,48 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
       }
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < rn; ++j) yp[m * N + n0 + j] *= sp[n0 + j];
+    }
+  });
+  return y;
+}
+
+// ---- fp32, few rows ----
+
+// y [M, N] = x [M, K] times fp32 weights w [N, K]^T, for the steps of a few rows (decode at a
+// small batch, a speculative verify of k + 1 positions). A BLAS blocks and packs for large
+// products: at a handful of rows it reads (and at some shapes copies) the weights more than
+// once, and how it sums changes with M. Here every weight row is read from memory once per
+// call, 6 rows at a time against tiles of up to 3 rows of x (`rows3`: the 6 weight rows come
+// from L1 for every tile after the first), and every output is the same sum of the same
+// products whatever M is: a row's result does not depend on how many rows share its step.
+// Measured on SmolLM2's shapes (this course's 2-core VM): with 2 threads torch's linear took
+// 1.5-3.8x as long for 1 to 8 rows (at 1 row it used one thread); with 1 thread 1.8-2.5x at 2
+// and 3 rows, 1.0-1.4x otherwise. A 4-row call here costs 1.3x a 1-row one (the multiplies do
+// not all hide behind the reads). Callers use it up to `kFp32KernelRows` rows, at::linear
+// beyond.
+at::Tensor fp32_linear(at::Tensor x, at::Tensor w) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+                  w.size(1) == K && w.is_contiguous() && x.is_contiguous(),
+              "fp32_linear: x [M, K], w [N, K], fp32, contiguous");
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t RN = 6;
+  const int64_t nblocks = (N + RN - 1) / RN;
+  at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
+      if (b + 1 < b1) {  // this thread's next block, asked for while this one is multiplied
+        const char* next = reinterpret_cast<const char*>(wp + (n0 + RN) * K);
+        for (int64_t off = 0; off < RN * K * 4; off += 64) __builtin_prefetch(next + off, 0, 3);
+      }
+      if (rn == 6) {
+        rows3<6>(xp, M, K, wp + n0 * K, yp + n0, N);
+      } else {
+        for (int64_t j = 0; j < rn; ++j) rows3<1>(xp, M, K, wp + (n0 + j) * K, yp + n0 + j, N);
+      }
     }
   });
   return y;
