@@ -20,7 +20,8 @@ from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.paged_kv import blocks_needed
 from labkit.sampling import SamplingParams, rejection_sample
 from labkit.scheduler import RequestError
-from labkit.speculative import PromptLookup, accept_greedy, expected_tokens, predicted_speedup
+from labkit.speculative import (PromptLookup, accept_greedy, accept_sampled, expected_tokens,
+                                predicted_speedup, rollback)
 
 CFG = ModelConfig.tiny()
 MODEL = init_random(LlamaModel(CFG).eval(), seed=5)
@@ -187,6 +188,57 @@ def test_rejection_rule_never_redraws_a_rejected_token():
         for j in range(2):
             keep = bool(u[j] * q[j, draft[j]] < p[j, draft[j]])
             assert (out[j] == draft[j]) == keep, "a rejected draft token was drawn again"
+
+
+def test_the_readable_rule_and_the_batched_rule_choose_the_same_tokens():
+    """speculative.accept_sampled (one sequence, chapter 09's statement) and
+    sampling.rejection_sample (batched, what the engine runs) are one rule: fed the same
+    uniforms and the same Gumbel noise, they commit the same tokens."""
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(300):
+        k = 1 + trial % 4
+        p = torch.softmax(torch.randn(k + 1, 7, generator=gen) * 2, -1)
+        q = torch.softmax(torch.randn(k, 7, generator=gen) * 2, -1)
+        draft = torch.multinomial(q, 1, generator=gen)[:, 0]
+        u = torch.rand(k, generator=gen).clamp(1e-6, 1 - 1e-6)
+        g = -torch.log(-torch.log(torch.rand(k + 1, 7, generator=gen).clamp(1e-7, 1 - 1e-7)))
+        batched = rejection_sample(p, q, draft, u, g).tolist()
+        n = next((j for j in range(k) if batched[j] != draft[j]), k)
+        used = []
+
+        def uniform():
+            used.append(float(u[len(used)]))
+            return used[-1]
+
+        def sample(dist):  # the Gumbel draw of the position the rule stopped at
+            last = len(used) - 1
+            rejected = used[-1] >= min(1.0, float(p[last, draft[last]] / q[last, draft[last]]))
+            pos = last if rejected else k
+            return int((dist.log() + g[pos]).argmax())
+
+        assert accept_sampled(draft.tolist(), q, p, uniform, sample) == batched[:n + 1], trial
+
+
+def test_the_schedulers_rollback_keeps_the_pages_the_readable_rollback_keeps(monkeypatch):
+    """Scheduler.rollback (the engine's) and speculative.rollback (chapter 09's statement)
+    keep the same pages and free the same ones, for every verify row of a run."""
+    from labkit.scheduler import Scheduler
+    engine = make_engine()
+    calls = []
+    real = Scheduler.rollback
+
+    def checked(self, seq, num_cached):
+        before = list(seq.block_table)
+        real(self, seq, num_cached)
+        # num_cached valid entries: the committed token before the chunk and the accepted
+        valid, keep, free = rollback(num_cached - 1, 0, before, BS)
+        assert valid == num_cached and keep == seq.block_table and keep + free == before
+        calls.append(len(free))
+
+    monkeypatch.setattr(Scheduler, "rollback", checked)
+    run_all(prompts_of([6, 9]), SamplingParams(max_new_tokens=30, speculative="int8:7"),
+            engine=engine)
+    assert calls and any(calls), "no verify row returned a page: nothing was compared"
 
 
 # -- the engine: greedy exactness, rollback, the prefix cache, batching ----------------------
