@@ -20,8 +20,14 @@ from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.paged_kv import blocks_needed
 from labkit.sampling import SamplingParams, rejection_sample
 from labkit.scheduler import RequestError
-from labkit.speculative import (PromptLookup, accept_greedy, accept_sampled, expected_tokens,
-                                predicted_speedup, rollback)
+from labkit.speculative import (
+    PromptLookup,
+    accept_greedy,
+    accept_sampled,
+    expected_tokens,
+    predicted_speedup,
+    rollback,
+)
 
 CFG = ModelConfig.tiny()
 MODEL = init_random(LlamaModel(CFG).eval(), seed=5)
