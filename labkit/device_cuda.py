@@ -76,8 +76,12 @@ class DecodeGraphs:
     into, a scratch page that no sequence owns.
     """
 
-    def __init__(self, runner: ModelRunner, stream: torch.cuda.Stream):
+    def __init__(self, runner: ModelRunner, stream: torch.cuda.Stream,
+                 max_batch: int | None = None):
         self.runner, self.stream = runner, stream
+        # the most rows a step has (the engine's max_seqs; the device holds more rows than
+        # that, for zombies)
+        self.max_batch = max_batch or runner.last_tokens.shape[0]
         self.scratch_page = runner.scratch_page  # owned by no sequence
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.failed: dict[tuple[int, int], str] = {}  # buckets that run eager, and why
@@ -104,10 +108,11 @@ class DecodeGraphs:
 
     def bucket(self, plan: StepPlan) -> tuple[int, int]:
         """The (batch, context) graph a decode plan runs in: powers of two, capped by the
-        device's rows and the model's context (a batch of max_seqs rows is graphed too)."""
+        most rows a step has and the model's context (a batch of max_seqs rows is graphed
+        too)."""
         r = self.runner
         ctx = max(plan.starts) + 1
-        return (min(_bucket(len(plan.rows), 1), r.last_tokens.shape[0]),
+        return (min(_bucket(len(plan.rows), 1), self.max_batch),
                 min(_bucket(ctx, 64), r.cfg.max_position))
 
     @torch.inference_mode()
@@ -215,7 +220,8 @@ class CudaDevice(Device):
     simulated = False
 
     def __init__(self, model, num_blocks: int, block_size: int, max_seqs: int,
-                 cache: str = "paged", use_graphs: bool = True, attention: str | None = None):
+                 cache: str = "paged", use_graphs: bool = True, attention: str | None = None,
+                 max_batch: int | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("CudaDevice needs an NVIDIA GPU; on this machine use "
                                "device='process' (the simulated accelerator)")
@@ -231,7 +237,8 @@ class CudaDevice(Device):
         # LABKIT_CUDA_GRAPHS=0: all eager; the contiguous cache is never graphed (its
         # attention loops over rows in Python)
         use_graphs = use_graphs and graphs_enabled() and cache == "paged"
-        self.graphs = DecodeGraphs(self.runner, self.compute) if use_graphs else None
+        self.graphs = (DecodeGraphs(self.runner, self.compute, max_batch) if use_graphs
+                       else None)
         self.host = [torch.zeros(max_seqs, dtype=torch.long, pin_memory=True)
                      for _ in range(NUM_SLOTS)]
         self.sampled = [torch.cuda.Event() for _ in range(NUM_SLOTS)]

@@ -136,8 +136,11 @@ class Launch:
 
 
 def make_device(kind: str, model, num_blocks: int, block_size: int, max_seqs: int,
-                cache: str = "paged", attention: str | None = None) -> Device:
-    """A device by name: "inprocess", "process" (simulated accelerator) or "cuda"."""
+                cache: str = "paged", attention: str | None = None,
+                max_batch: int | None = None) -> Device:
+    """A device by name: "inprocess", "process" (simulated accelerator) or "cuda"; `max_seqs`:
+    its rows (sequences it holds a last token for; a contiguous cache's slabs); `max_batch`:
+    the most rows a step has (default: max_seqs)."""
     if kind == "inprocess":
         return InProcessDevice(ModelRunner(model, num_blocks, block_size, max_seqs, cache,
                                            attention=attention))
@@ -147,7 +150,8 @@ def make_device(kind: str, model, num_blocks: int, block_size: int, max_seqs: in
     if kind == "cuda":
         from labkit.device_cuda import CudaDevice  # imported on use: CPU machines skip it
 
-        return CudaDevice(model, num_blocks, block_size, max_seqs, cache, attention=attention)
+        return CudaDevice(model, num_blocks, block_size, max_seqs, cache, attention=attention,
+                          max_batch=max_batch)
     raise ValueError(f"device must be 'inprocess', 'process' or 'cuda', got {kind!r}")
 
 
@@ -187,6 +191,13 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.stats = EngineStats()
         contiguous = cache == "contiguous"  # one max-length slab per sequence: reserve it all
+        # a sequence that finished at step t keeps its device row until its zombie row in step
+        # t + 1 commits (the pipelined decoder): with a row each for as many zombies as there
+        # can be, a waiting request starts in the first step planned after the finish, as in
+        # the blocking loop, not one step later (measured on the capstone's SmolLM2 workload:
+        # 127 launches against the blocking loop's 120 with max_seqs rows). A contiguous
+        # cache's rows are slabs of the pool: there a zombie's row still waits.
+        device_rows = max_seqs if contiguous else 2 * max_seqs
         scheduler = Scheduler(
             BlockAllocator(num_blocks), block_size, max_seqs,
             max_seq_len(model.cfg, cache, num_blocks, block_size, max_seqs), num_adapter_slots,
@@ -194,9 +205,10 @@ class Engine:
             kv_reserve="max" if contiguous else kv_reserve,
             prefix_caching=prefix_caching and not contiguous,
             reserve_tokens=contiguous_row_len(num_blocks, block_size, max_seqs)
-            if contiguous else None, stats=self.stats)  # checks its settings before the device
-        self.device: Device = make_device(device, model, num_blocks, block_size, max_seqs, cache,
-                                          attention)
+            if contiguous else None, stats=self.stats, device_rows=device_rows)
+        # (the scheduler checks its settings before the device starts)
+        self.device: Device = make_device(device, model, num_blocks, block_size, device_rows,
+                                          cache, attention, max_batch=max_seqs)
         self.scheduler = scheduler
         self.eos_id = tokenizer.eos_id if tokenizer is not None else None
         self.seqs: dict[int, Sequence] = {}

@@ -105,7 +105,8 @@ class Scheduler:
                  context_len: int, num_adapter_slots: int = 4, *,
                  max_step_tokens: int | None = None, batching: str = "continuous",
                  kv_reserve: str = "on_demand", prefix_caching: bool = False,
-                 reserve_tokens: int | None = None, stats=None):
+                 reserve_tokens: int | None = None, stats=None,
+                 device_rows: int | None = None):
         if max_step_tokens is not None and (isinstance(max_step_tokens, bool) or not isinstance(
                 max_step_tokens, int) or max_step_tokens < 1):
             raise ValueError(f"max_step_tokens must be None (no budget) or an integer >= 1, "
@@ -123,7 +124,9 @@ class Scheduler:
         self.prefix = PrefixCache(allocator, block_size) if prefix_caching else None
         # decode rows must always fit the budget: at most that many sequences run at once
         self.max_running = min(max_seqs, max_step_tokens or max_seqs)
-        self.rows = SlotPool(max_seqs, "device row")
+        # device rows: one per running sequence, zombies included (they hold theirs until
+        # their last launch commits); at most max_running are planned in any step
+        self.rows = SlotPool(device_rows or max_seqs, "device row")
         self.adapters = SlotPool(num_adapter_slots, "adapter slot")
         self.waiting: deque[Sequence] = deque()  # in arrival order (request id)
         self.running: list[Sequence] = []  # in arrival order; holds resources
@@ -361,8 +364,8 @@ class Scheduler:
 
     def _admit_one(self) -> Sequence | None:
         """Move the head of the queue to running if its resources are free (FCFS), or None."""
-        if not self.waiting or len(self.running) >= self.max_running or not self.rows.num_free:
-            return None
+        if not self.waiting or len(self.live()) >= self.max_running or not self.rows.num_free:
+            return None  # (a zombie is not planned again: only live sequences take step rows)
         seq = self.waiting[0]
         if seq.adapter is not None and self.adapters.num_free == 0:
             return None  # the head waits; later requests do not jump it (no starvation)
@@ -383,7 +386,7 @@ class Scheduler:
         if self.fork_sharing and not seq.output_ids:
             for f in seq.forks:  # its forks come in beside it while rows are free
                 if (f.status is Status.WAITING and not f.finalized and not f.output_ids
-                        and len(self.running) < self.max_running and self.rows.num_free
+                        and len(self.live()) < self.max_running and self.rows.num_free
                         and (f.adapter is None or self.adapters.num_free)):
                     self.waiting.remove(f)
                     self._run(f)

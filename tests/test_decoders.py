@@ -166,6 +166,24 @@ def test_zombie_resources_return_only_after_its_last_step():
     assert s.released_at_step > s.finished_at_step or s.released_at_step == engine.steps
 
 
+def test_a_zombie_does_not_hold_back_the_next_admission():
+    """Regression: a finished sequence's device row stayed taken until its zombie row
+    committed, so with every row busy a waiting request started two steps after the finish in
+    the pipelined loop (the blocking loop: the next step). Now it starts in the first step
+    planned after the commit that saw the finish: each admission waits one step more than in
+    the blocking loop, no more (that step was planned before the finish was known)."""
+    def launches(decoder):
+        e = Engine(MODEL, None, kv_tokens=512, block_size=8, max_seqs=2, device="inprocess")
+        e.eos_id = -1
+        for i, n in enumerate([3, 5, 4, 6, 2, 5]):  # 6 requests through 2 rows: 4 wait
+            e.submit([5 + i, 6, 7], SamplingParams(max_new_tokens=n, ignore_eos=True))
+        decoders.run(e, decoder)
+        e.check_all_released()
+        return e.steps
+    blocking, pipelined = launches("blocking"), launches("pipelined")
+    assert pipelined <= blocking + 4, (blocking, pipelined)  # with max_seqs rows: + 6
+
+
 def test_cancel_twice_and_after_finish_frees_once():
     """Regression: double free on cancel."""
     engine = get_engine("inprocess")

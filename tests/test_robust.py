@@ -190,7 +190,7 @@ def test_process_device_masks_are_keyed_by_content_and_bounded():
     e = engine("process", max_seqs=2)
     e.device.close()
     cap = 3
-    e.device = ProcessDevice(MODEL, 32, 8, 2, mask_cache_cap=cap)
+    e.device = ProcessDevice(MODEL, 32, 8, e.scheduler.rows.size, mask_cache_cap=cap)
     ref = engine("inprocess", max_seqs=2)
     try:
         out = {}

@@ -210,19 +210,24 @@ def test_the_readable_rule_and_the_batched_rule_choose_the_same_tokens():
         g = -torch.log(-torch.log(torch.rand(k + 1, 7, generator=gen).clamp(1e-7, 1 - 1e-7)))
         batched = rejection_sample(p, q, draft, u, g).tolist()
         n = next((j for j in range(k) if batched[j] != draft[j]), k)
-        used = []
+        assert readable_choice(draft.tolist(), q, p, u, g) == batched[:n + 1], trial
 
-        def uniform():
-            used.append(float(u[len(used)]))
-            return used[-1]
 
-        def sample(dist):  # the Gumbel draw of the position the rule stopped at
-            last = len(used) - 1
-            rejected = used[-1] >= min(1.0, float(p[last, draft[last]] / q[last, draft[last]]))
-            pos = last if rejected else k
-            return int((dist.log() + g[pos]).argmax())
+def readable_choice(draft, q, p, u, g):
+    """accept_sampled fed the uniforms u in order and, for its one draw, the Gumbel noise of
+    the position where it stopped (a rejected draft's, or the bonus position's)."""
+    k, used = len(draft), []
 
-        assert accept_sampled(draft.tolist(), q, p, uniform, sample) == batched[:n + 1], trial
+    def uniform():
+        used.append(float(u[len(used)]))
+        return used[-1]
+
+    def sample(dist):
+        last = len(used) - 1
+        rejected = used[-1] >= min(1.0, float(p[last, draft[last]] / q[last, draft[last]]))
+        return int((dist.log() + g[last if rejected else k]).argmax())
+
+    return accept_sampled(draft, q, p, uniform, sample)
 
 
 def test_the_schedulers_rollback_keeps_the_pages_the_readable_rollback_keeps(monkeypatch):
