@@ -262,7 +262,7 @@ class CommandRing:
 
     HEAD = 16  # bytes before each command: its length (int64), when it was sent (float64)
 
-    def __init__(self, ctx, capacity: int = 1 << 24):
+    def __init__(self, ctx, capacity: int = 1 << 22):
         assert capacity % 8 == 0
         self.capacity = capacity
         self.buf = torch.zeros(capacity, dtype=torch.uint8).share_memory_()
@@ -579,7 +579,7 @@ class ProcessDevice(Device):
         self._ring.put(pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL), self._wait_for_room)
 
     def _wait_for_room(self, since: float) -> None:
-        """The command ring is full: the device is behind by 16 MB of commands, or stuck."""
+        """The command ring is full: the device is behind by 4 MB of commands, or stuck."""
         self._check(alive=True)
         if time.monotonic() - since > self.stall_timeout_s:
             self._fail(f"the simulated device stalled: its command ring stayed full for "
