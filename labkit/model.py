@@ -167,8 +167,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """lin(x) [T, N] for x [T, K]. An fp32 `nn.Linear` on a step of a few rows (decode at a small
-    batch, a speculative verify) runs labkit's kernel on the CPU: it reads each weight once for
+    """lin(x) [T, N] for x [T, K]. An fp32 `nn.Linear` on a step of a few rows (decode, a
+    speculative verify, a step of a small token budget) runs labkit's kernel on the CPU: it reads each weight once for
     all the rows, where a BLAS made for large products reads them more than once, and its
     result for a row does not depend on how many rows share the step. Any other linear (a
     quantized one, a large step, a GPU), or one with hooks on it (labkit.awq's calibration),
@@ -190,7 +190,7 @@ def few_rows_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return None if kernels is None else kernels.fp32_linear(x.contiguous(), weight)
 
 
-_FP32_KERNEL_ROWS = 8  # = kFp32KernelRows in labkit/kernels/kernels.h (tests check they agree)
+_FP32_KERNEL_ROWS = 32  # = kFp32KernelRows in labkit/kernels/kernels.h (tests check they agree)
 
 
 class DecoderLayer(nn.Module):

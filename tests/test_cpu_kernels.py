@@ -52,7 +52,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_fp32_kernel_equals_torchs_linear(rows, bias):
     gen = torch.Generator().manual_seed(4)
@@ -67,9 +67,9 @@ def test_the_fp32_kernel_equals_torchs_linear(rows, bias):
 def test_an_fp32_rows_result_does_not_depend_on_the_rows_beside_it():
     # a speculative verify of k + 1 rows must score each position as a 1-row step would
     w = torch.randn(9, 100, generator=torch.Generator().manual_seed(5))  # blocks of 6, 3
-    x = torch.randn(8, 100, generator=torch.Generator().manual_seed(6))
-    alone = torch.cat([built.fp32_linear(x[i:i + 1], w) for i in range(8)])
-    for m in range(2, 9):  # 1x6 .. 3x6 tiles below 4 rows, 4x3 tiles and their tails above
+    x = torch.randn(14, 100, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([built.fp32_linear(x[i:i + 1], w) for i in range(14)])
+    for m in range(2, 15):  # tiles of 3 x 6 and 3 x 1, and their tails of 2 and 1 rows
         assert torch.equal(built.fp32_linear(x[:m], w), alone[:m]), m
 
 

@@ -4,8 +4,9 @@
 
 #include <torch/extension.h>
 
-// fp32_linear serves steps of up to this many rows (decode at small batch, a speculative verify)
-constexpr int64_t kFp32KernelRows = 8;
+// fp32_linear serves steps of up to this many rows (decode, a speculative verify, a step of a
+// small token budget); whole prompts go to at::linear
+constexpr int64_t kFp32KernelRows = 32;
 at::Tensor fp32_linear(at::Tensor x, at::Tensor w);
 at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s);
 at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz);

@@ -54,26 +54,15 @@ static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, floa
 #endif
 }
 
-// every row of x against RN weight rows, in tiles of at most 3 rows of x (3 x 6: 18
-// accumulators, 6 weights and an x in registers; the weight rows come from L1 after the
-// first tile)
-template <int RN, class W>
-static void rows3(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N) {
-  int64_t m = 0;
-  for (; m + 3 <= M; m += 3) tile<3, RN>(x + m * K, K, w, K, y + m * N, N);
-  switch (M - m) {
-    case 2: tile<2, RN>(x + m * K, K, w, K, y + m * N, N); break;
-    case 1: tile<1, RN>(x + m * K, K, w, K, y + m * N, N); break;
-    default: break;
-  }
-}
-
-template <int RN, class W>
+// every row of x against RN weight rows, in tiles of RMAX rows of x and what is left (int8's
+// codes: up to 4 x 3; fp32_linear: up to 3 x 6, 18 accumulators, 6 weights and an x in
+// registers, the weight rows found in L1 by every tile after the first)
+template <int RN, int RMAX = 4, class W>
 static void rows(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<4, RN>(x + m * K, K, w, K, y + m * N, N);
+  for (; m + RMAX <= M; m += RMAX) tile<RMAX, RN>(x + m * K, K, w, K, y + m * N, N);
   switch (M - m) {
-    case 3: tile<3, RN>(x + m * K, K, w, K, y + m * N, N); break;
+    case 3: if constexpr (RMAX > 3) tile<3, RN>(x + m * K, K, w, K, y + m * N, N); break;
     case 2: tile<2, RN>(x + m * K, K, w, K, y + m * N, N); break;
     case 1: tile<1, RN>(x + m * K, K, w, K, y + m * N, N); break;
     default: break;
@@ -135,14 +124,14 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
 // small batch, a speculative verify of k + 1 positions). A BLAS blocks and packs for large
 // products: at a handful of rows it reads (and at some shapes copies) the weights more than
 // once, and how it sums changes with M. Here every weight row is read from memory once per
-// call, 6 rows at a time against tiles of up to 3 rows of x (`rows3`: the 6 weight rows come
-// from L1 for every tile after the first), and every output is the same sum of the same
+// call, 6 rows at a time against tiles of up to 3 rows of x (the 6 weight rows come from L1
+// for every tile after the first), and every output is the same sum of the same
 // products whatever M is: a row's result does not depend on how many rows share its step.
 // Measured on SmolLM2's shapes (this course's 2-core VM): with 2 threads torch's linear took
-// 1.5-3.8x as long for 1 to 8 rows (at 1 row it used one thread); with 1 thread 1.8-2.5x at 2
-// and 3 rows, 1.0-1.4x otherwise. A 4-row call here costs 1.3x a 1-row one (the multiplies do
-// not all hide behind the reads). Callers use it up to `kFp32KernelRows` rows, at::linear
-// beyond.
+// 1.3-3.8x as long for 1 to 32 rows (at 1 row it used one thread); with 1 thread 1.8-2.5x at 2
+// and 3 rows, 1.1-1.4x at 4 to 64. A 4-row call here costs 1.3x a 1-row one (the multiplies do
+// not all hide behind the reads). Callers use it up to `kFp32KernelRows` rows (a decode step,
+// a verify, a budgeted step of decode rows and prompt chunks), at::linear beyond.
 at::Tensor fp32_linear(at::Tensor x, at::Tensor w) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
@@ -162,9 +151,9 @@ at::Tensor fp32_linear(at::Tensor x, at::Tensor w) {
         for (int64_t off = 0; off < RN * K * 4; off += 64) __builtin_prefetch(next + off, 0, 3);
       }
       if (rn == 6) {
-        rows3<6>(xp, M, K, wp + n0 * K, yp + n0, N);
+        rows<6, 3>(xp, M, K, wp + n0 * K, yp + n0, N);
       } else {
-        for (int64_t j = 0; j < rn; ++j) rows3<1>(xp, M, K, wp + (n0 + j) * K, yp + n0 + j, N);
+        for (int64_t j = 0; j < rn; ++j) rows<1, 3>(xp, M, K, wp + (n0 + j) * K, yp + n0 + j, N);
       }
     }
   });
