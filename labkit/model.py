@@ -168,11 +168,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """lin(x) [T, N] for x [T, K]. An fp32 `nn.Linear` on a step of a few rows (decode, a
-    speculative verify, a step of a small token budget) runs labkit's kernel on the CPU: it reads each weight once for
-    all the rows, where a BLAS made for large products reads them more than once, and its
-    result for a row does not depend on how many rows share the step. Any other linear (a
-    quantized one, a large step, a GPU), or one with hooks on it (labkit.awq's calibration),
-    is called as it is."""
+    speculative verify, a step of a small token budget) runs labkit's kernel on the CPU: it
+    reads each weight once for all the rows, where a BLAS made for large products reads them
+    more than once, and its result for a row does not depend on how many rows share the step.
+    Any other linear (a quantized one, a large step, a GPU), or one with hooks on it
+    (labkit.awq's calibration), is called as it is."""
     if type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks):
         y = few_rows_fp32(x, lin.weight)
         if y is not None:
