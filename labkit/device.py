@@ -280,6 +280,10 @@ class CommandRing:
         self.__dict__.update(state)
         self._views()
 
+    def _size(self, n: int) -> int:
+        """Bytes a command of n bytes takes in the ring: its head and its bytes, padded to 8."""
+        return self.HEAD + (n + 7) // 8 * 8
+
     def _header(self, off: int, value: int | None = None) -> int:
         view = self._buf[off:off + 8].view(np.int64)
         if value is not None:
@@ -291,7 +295,7 @@ class CommandRing:
         the `time.monotonic()` the wait began, while the ring is too full (the device has not
         taken enough yet), and may raise."""
         n = len(data)
-        need = self.HEAD + (n + 7) // 8 * 8
+        need = self._size(n)
         if need > self.capacity:
             raise ValueError(f"a {n}-byte command does not fit the device's {self.capacity}-byte "
                              "command ring")
@@ -321,7 +325,7 @@ class CommandRing:
             n = self._header(0)
         data = self._buf[off + self.HEAD:off + self.HEAD + n].tobytes()
         sent = float(self._buf[off + 8:off + 16].view(np.float64)[0])
-        self._pos[1] = r + self.HEAD + (n + 7) // 8 * 8
+        self._pos[1] = r + self._size(n)
         return data, sent
 
 

@@ -292,6 +292,29 @@ def round_trip_ms_per_step(timelines, skip: int = 2) -> tuple[float, float]:
     return statistics.median(command) * 1e3, statistics.median(back) * 1e3
 
 
+def measure_round_trip(engine, prompt_ids: list[list[int]], tokens: int, runs: int = 2,
+                       attempts: int = 3) -> dict:
+    """The typical blocking step's round trip, held the course's way under load: `runs`
+    blocking runs of the prompts, their round trip and terms from `round_trip_ms_per_step` and
+    `typical_ms_per_step`, and the cores other programs kept busy meanwhile. While the round
+    trip looks like more than a third of T_host *and* another program kept half a core or more
+    busy (the host may have waited for that program's time slice, not for the device), it is
+    measured again, `attempts` times at most; returns the attempt that met the bound, else the
+    least loaded: {command_ms, back_ms, host_ms, device_ms, busy, attempts}."""
+    tried = []
+    while len(tried) < attempts:
+        start = claims.cpu_seconds()
+        tls = [run_once(engine, prompt_ids, tokens, "blocking")["timeline"] for _ in range(runs)]
+        (command, back), (host, device, _) = round_trip_ms_per_step(tls), typical_ms_per_step(tls)
+        tried.append({"command_ms": command, "back_ms": back, "host_ms": host,
+                      "device_ms": device, "busy": claims.busy_elsewhere(start)})
+        if command + back < host / 3 or tried[-1]["busy"] < 0.5:
+            break
+    best = min(tried, key=lambda t: (t["command_ms"] + t["back_ms"] >= t["host_ms"] / 3,
+                                     t["busy"]))
+    return {**best, "attempts": len(tried)}
+
+
 def sample_ms_per_step(timeline, skip: int = 2, launches: tuple[str, ...] = ("decode",)
                        ) -> float:
     """The device's time per step (of the host's `launches`, after the first `skip`) from the
