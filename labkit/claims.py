@@ -169,8 +169,11 @@ def cpu_seconds() -> tuple[float, float, float] | None:
 
 
 def children_cpu_s(hz: int) -> float:
-    """CPU seconds of this process's live children (from /proc/<pid>/stat: utime, stime)."""
-    me, total = str(os.getpid()), 0.0
+    """CPU seconds of this process's live descendants (from /proc/<pid>/stat: utime, stime):
+    children and theirs (a simulated device forked by the fork server is a grandchild)."""
+    me = os.getpid()
+    kids: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -178,8 +181,14 @@ def children_cpu_s(hz: int) -> float:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # a process that ended meanwhile
-        if fields[1] == me:
-            total += (int(fields[11]) + int(fields[12])) / hz
+        pid = int(entry.name)
+        kids.setdefault(int(fields[1]), []).append(pid)
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / hz
+    total, todo = 0.0, list(kids.get(me, ()))
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += kids.get(pid, ())
     return total
 
 

@@ -329,7 +329,7 @@ class CommandRing:
         return data, sent
 
 
-def _device_main(model, runner_args, threads, cpus, ring, copy_done, host_tokens,
+def _device_main(model_conn, runner_args, threads, cpus, ring, copy_done, host_tokens,
                  host_logprobs, done_at, trace, trace_n, status, error_flag, error_text, ready,
                  mask_cap) -> None:
     """The device process: runs the compute stream's commands in order, in its main thread.
@@ -345,6 +345,8 @@ def _device_main(model, runner_args, threads, cpus, ring, copy_done, host_tokens
         os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)
     try:
+        model = model_conn.recv()  # the weights' shared-memory handles (see ProcessDevice)
+        model_conn.close()
         runner = ModelRunner(model, *runner_args)
     except BaseException:
         ready.put(traceback.format_exc())
@@ -365,7 +367,11 @@ def _device_main(model, runner_args, threads, cpus, ring, copy_done, host_tokens
         trace_np[lane, trace_n_np[lane] % _TRACE_CAP] = (op, step, t0, t1)
         trace_n_np[lane] += 1
 
-    parent = os.getppid()
+    import multiprocessing
+
+    # the process that started this one (the host): a pipe whose far end closes when it dies
+    # (not the OS parent: under the fork server that is the server, which waits for us)
+    host = multiprocessing.parent_process()
     ready.put(None)
     free_since = time.perf_counter()  # when the device last finished a command's work
     try:
@@ -381,7 +387,7 @@ def _device_main(model, runner_args, threads, cpus, ring, copy_done, host_tokens
                     pass
             while not rung:  # idle until a command has arrived (or the host has gone)
                 rung = ring.doorbell.acquire(timeout=1.0)
-                if not rung and os.getppid() != parent:
+                if not rung and host is not None and not host.is_alive():
                     return  # the host process died without closing us
             arrived = time.perf_counter()
             raw, sent = ring.take()
@@ -486,7 +492,14 @@ class ProcessDevice(Device):
         self.stall_timeout_s = stall_timeout_s
         self._failed: str | None = None  # the host's copy of the sticky error
         self._closed = False
-        ctx = mp.get_context("spawn")
+        # a fork server (POSIX) imports torch and labkit once, then forks each device from
+        # itself: a device starts in ~0.1 s, not the ~2 s of a fresh interpreter (spawn), and
+        # the devices share the server's pages of the libraries
+        if "forkserver" in mp.get_all_start_methods():
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(["labkit.device"])
+        else:
+            ctx = mp.get_context("spawn")
         model.share_memory()  # the device maps the weights; nothing is copied
         self.vocab_size = model.cfg.vocab_size
         self.host_tokens = torch.zeros(NUM_SLOTS, max_seqs + _HEAD,
@@ -513,14 +526,27 @@ class ProcessDevice(Device):
         self.copy_done = [ctx.Semaphore(0) for _ in range(NUM_SLOTS)]
         ready = ctx.Queue()
         self._ring = CommandRing(ctx)
+        # the model goes through a pipe of its own, after the start: the process's own start
+        # writes its arguments into a pipe that the parent keeps open until the write ends, so
+        # a child that died first (a script without a `__main__` guard) left that write, and the
+        # engine, hanging for good once the model's handles outgrew the pipe's 64 KB. Here the
+        # child's end is closed at once, and a send to a dead child raises instead.
+        model_r, model_w = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=_device_main, daemon=True, name="labkit-device",
-            args=(model, (num_blocks, block_size, max_seqs, cache, "cpu", attention), threads,
+            args=(model_r, (num_blocks, block_size, max_seqs, cache, "cpu", attention), threads,
                   self.device_cpus, self._ring, self.copy_done, self.host_tokens,
                   self.host_logprobs, self.done_at, self.trace,
                   self.trace_n, self.status, self.error_flag, self.error_text, ready,
                   mask_cache_cap))
         self.proc.start()
+        model_r.close()
+        try:
+            model_w.send(model)
+        except OSError:  # the child died before reading it: the loop below says how
+            pass
+        finally:
+            model_w.close()
         self._host_masks: OrderedDict[int, tuple[torch.Tensor, bytes, bytes]] = OrderedDict()
         self._device_masks: OrderedDict[bytes, None] = OrderedDict()  # mirrors the device's
         self._trace_read = [0] * len(_LANES)

@@ -180,11 +180,15 @@ class Engine:
                  device: str = "inprocess", attention: str | None = None,
                  max_step_tokens: int | None = 512,
                  batching: str = "continuous", kv_reserve: str = "on_demand",
-                 prefix_caching: bool = True, drafts: dict | None = None):
+                 prefix_caching: bool = True, drafts: dict | None = None,
+                 foresee_finishes: bool = False):
         # attention: "naive", "paged" or "flash" (labkit.attention.BACKENDS); None picks the
         # cache's own ("paged" for the paged pool, "naive" for the contiguous slabs).
         # drafts: speculative decoding's draft models by proposer name ({"int4": the model's
-        # int4 copy}); prompt lookup ("ngram") needs none
+        # int4 copy}); prompt lookup ("ngram") needs none.
+        # foresee_finishes: the pipelined loop plans no row after a sequence's last token by
+        # length (no zombie row for it, and its place goes to a waiting request one step
+        # earlier); off, every finish is found at commit, as in Photon's loop (chapter 07)
         check_engine_settings(kv_tokens=kv_tokens, block_size=block_size, max_seqs=max_seqs,
                               num_adapter_slots=num_adapter_slots)
         num_blocks = kv_tokens // block_size
@@ -205,7 +209,8 @@ class Engine:
             kv_reserve="max" if contiguous else kv_reserve,
             prefix_caching=prefix_caching and not contiguous,
             reserve_tokens=contiguous_row_len(num_blocks, block_size, max_seqs)
-            if contiguous else None, stats=self.stats, device_rows=device_rows)
+            if contiguous else None, stats=self.stats, device_rows=device_rows,
+            foresee_finishes=foresee_finishes)
         # (the scheduler checks its settings before the device starts)
         self.device: Device = make_device(device, model, num_blocks, block_size, device_rows,
                                           cache, attention, max_batch=max_seqs)

@@ -106,7 +106,7 @@ class Scheduler:
                  max_step_tokens: int | None = None, batching: str = "continuous",
                  kv_reserve: str = "on_demand", prefix_caching: bool = False,
                  reserve_tokens: int | None = None, stats=None,
-                 device_rows: int | None = None):
+                 device_rows: int | None = None, foresee_finishes: bool = False):
         if max_step_tokens is not None and (isinstance(max_step_tokens, bool) or not isinstance(
                 max_step_tokens, int) or max_step_tokens < 1):
             raise ValueError(f"max_step_tokens must be None (no budget) or an integer >= 1, "
@@ -137,6 +137,13 @@ class Scheduler:
         self.fork_sharing = (reserve_tokens is None and kv_reserve == "on_demand"
                              and batching == "continuous")
         self.copies: list[tuple[int, int]] = []  # copy-on-write of the launch being planned
+        # a finish by length is known when the next step is planned: with foresight, a sequence
+        # whose last token is already in flight gets no row after it (no zombie row) and stops
+        # counting as live (a waiting request takes its place in that very step, as in the
+        # blocking loop). Finishes the host finds only at commit (EOS, a stop string, a cancel)
+        # still make zombies. Off: every finish is found at commit, as in Photon's loop.
+        self.foresee_finishes = foresee_finishes
+        self._ending: set[int] = set()  # those, when the launch being planned began
 
     def _count(self, name: str, n: int = 1) -> None:
         if self.stats is not None:
@@ -187,6 +194,11 @@ class Scheduler:
 
     def _plan(self) -> list[Row]:
         budget = self.max_step_tokens or 1 << 62
+        # (a row planned in this launch that emits a sequence's last token does not free its
+        # place in this launch: at most max_running sequences have rows in one launch)
+        self._ending = {s.request_id for s in self.running if self.foresee_finishes
+                        and s.pending > 0 and not s.finalized
+                        and len(s.output_ids) + s.pending >= s.max_new_tokens}
         self.copies = []
         rows: list[Row] = []
         planned: set[int] = set()
@@ -194,13 +206,14 @@ class Scheduler:
         # a static batch's finished members ride along as padding, a token each of the budget;
         # their rows are added last, once the live rows are planned (a preemption while
         # planning can end the batch and release them)
-        padding = [s for s in self.running if static and s.finalized and not s.released]
+        padding = [s for s in self.running
+                   if static and (s.finalized or self.foreseen(s)) and not s.released]
         budget -= len(padding)
         # speculative drafts take what the budget leaves beyond one token per decode row
         spare = budget - sum(1 for s in self.running if s.decoding and not (
-            s.preempted or s.released or s.finalized))
+            s.preempted or s.released or s.finalized or self.foreseen(s)))
         for s in list(self.running):  # 1. decode rows, arrival order
-            if s.preempted or s.released or s.finalized or not s.decoding:
+            if s.preempted or s.released or s.finalized or not s.decoding or self.foreseen(s):
                 continue
             draft = self._draft_fits(s, spare)
             if not self._grow(s, s.num_cached + 1 + len(draft), planned):
@@ -219,7 +232,7 @@ class Scheduler:
         # 2. prefill chunks in arrival order: running sequences first, then admissions (each
         # admitted one planned before the next is matched, so it finds the pages just named)
         prefilling = [s for s in self.running if not (
-            s.preempted or s.finalized or s.decoding or s.attached
+            s.preempted or s.finalized or s.decoding or s.attached or self.foreseen(s)
             or s.request_id in planned)]
         while budget > 0:
             if prefilling:
@@ -498,8 +511,14 @@ class Scheduler:
         return any(not s.finalized and not s.preempted for s in self.running)
 
     def live(self) -> list[Sequence]:
-        """Running sequences still being planned (not finalized, not preempted)."""
-        return [s for s in self.running if not s.finalized and not s.preempted]
+        """Running sequences still being planned (not finalized, not preempted, not ending in
+        a launched step by length when finishes are foreseen)."""
+        return [s for s in self.running
+                if not s.finalized and not s.preempted and not self.foreseen(s)]
+
+    def foreseen(self, seq: Sequence) -> bool:
+        """With `foresee_finishes`: `seq`'s last token (by length) is in a launched step."""
+        return seq.request_id in self._ending and not seq.finalized
 
     def idle(self) -> bool:
         """Nothing waiting and nothing running."""

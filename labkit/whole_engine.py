@@ -102,13 +102,21 @@ class EngineSetup:
         """The Engine keyword arguments of this setup (the decoder and weights are apart)."""
         return {"batching": self.batching, "max_step_tokens": self.max_step_tokens,
                 "attention": self.attention, "kv_reserve": self.kv_reserve,
-                "prefix_caching": self.prefix_caching}
+                "prefix_caching": self.prefix_caching,
+                # the pipelined loop plans around finishes by length (no zombie row for them)
+                "foresee_finishes": self.decoder == "pipelined"}
 
-    def build(self, model, tokenizer=None, **engine_kwargs) -> Engine:
+    def build(self, model, tokenizer=None, *, quantized: dict | None = None,
+              **engine_kwargs) -> Engine:
         """An Engine of this setup over `model`, an fp32 model: quantized here if the setup
-        says so (a copy: `model` stays fp32). `engine_kwargs`: kv_tokens, device, ..."""
+        says so (a copy: `model` stays fp32). `quantized` ({scheme: model}) keeps each
+        quantized copy made, so that setups of one scheme share one copy of the weights (an
+        engine never writes its model). `engine_kwargs`: kv_tokens, device, ..."""
         if self.quant is not None:  # quantization replaces the linears in place
-            model = quantize_model(copy.deepcopy(model), self.quant)
+            cache = quantized if quantized is not None else {}
+            if self.quant not in cache:
+                cache[self.quant] = quantize_model(copy.deepcopy(model), self.quant)
+            model = cache[self.quant]
         return Engine(model, tokenizer, **self.engine_kwargs(), **engine_kwargs)
 
     def load(self, name: str = "smollm2-135m", **engine_kwargs) -> Engine:

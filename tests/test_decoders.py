@@ -184,6 +184,47 @@ def test_a_zombie_does_not_hold_back_the_next_admission():
     assert pipelined <= blocking + 4, (blocking, pipelined)  # with max_seqs rows: + 6
 
 
+def _run_many(decoder: str, foresee: bool, stop: int | None = None):
+    """6 requests through 2 rows (4 wait); with `stop`, request 0 ends at its first `stop`
+    token (a finish the host finds only at commit)."""
+    e = Engine(MODEL, None, kv_tokens=512, block_size=8, max_seqs=2, device="inprocess",
+               foresee_finishes=foresee)
+    e.eos_id = -1
+    ids = []
+    for i, n in enumerate([3, 5, 4, 6, 2, 5]):
+        stops = (stop,) if stop is not None and i == 0 else ()
+        ids.append(e.submit([5 + i, 6, 7], SamplingParams(max_new_tokens=n, ignore_eos=not stops,
+                                                          stop_ids=stops)))
+    decoders.run(e, decoder)
+    e.check_all_released()
+    out = [list(e.seqs[r].output_ids) for r in ids]
+    zombies = [e.seqs[r].zombie_rows for r in ids]
+    e.close()
+    return e.steps, out, zombies
+
+
+def test_foreseen_length_finishes_make_no_zombie_and_admit_as_blocking_does():
+    """With foresight the pipelined loop plans no row after a sequence's last token by length:
+    no zombie rows, and each waiting request starts in the same step as in the blocking loop
+    (so the same launches); the tokens are the blocking loop's."""
+    blocking = _run_many("blocking", foresee=False)
+    photon = _run_many("pipelined", foresee=False)
+    foreseen = _run_many("pipelined", foresee=True)
+    assert foreseen[1] == blocking[1] == photon[1]
+    assert foreseen[2] == [0] * 6 and photon[2] == [1] * 6  # a zombie row per finish, or none
+    assert foreseen[0] == blocking[0] < photon[0], (blocking[0], photon[0], foreseen[0])
+
+
+def test_a_finish_found_at_commit_is_still_a_zombie_with_foresight():
+    """A stop token is not known when step t+1 is planned: that sequence's row in t+1 is a
+    zombie even with foresight; the others (finishes by length) are not."""
+    tokens = _run_many("blocking", foresee=False)[1][0]
+    stop = tokens[1]  # request 0 now stops at its second token (or earlier if it repeats)
+    steps, out, zombies = _run_many("pipelined", foresee=True, stop=stop)
+    assert out[0] == tokens[:tokens.index(stop) + 1]
+    assert zombies == [1, 0, 0, 0, 0, 0], zombies
+
+
 def test_cancel_twice_and_after_finish_frees_once():
     """Regression: double free on cancel."""
     engine = get_engine("inprocess")

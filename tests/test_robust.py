@@ -1,7 +1,11 @@
 """The engine survives errors and bad settings: device failures, impossible requests, bad
 engine settings, bounded mask caches. Every test that could hang runs under a deadline."""
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -293,3 +297,24 @@ def test_an_interrupted_generate_cancels_and_forgets_its_own_requests(decoder):
                           engine=e, decoder=decoder)
     assert len(out[0].output_ids) == 3 and e.steps - before <= 4, (
         f"the next 3-token call ran {e.steps - before} steps")
+
+
+def test_a_script_without_a_main_guard_gets_an_error_not_a_hang(tmp_path):
+    """Regression: a script that builds a simulated-device engine at top level (no `if
+    __name__ == '__main__':`) hung for good once the model had enough tensors: the spawned
+    child re-ran the script, failed and exited, while the parent's start still wrote the
+    model's handles (over 64 KB) into a pipe whose read end the parent itself held open."""
+    script = tmp_path / "noguard.py"
+    script.write_text(
+        "import dataclasses\n"
+        "from labkit.engine import Engine\n"
+        "from labkit.model import LlamaModel, ModelConfig, init_random\n"
+        "cfg = dataclasses.replace(ModelConfig.tiny(), num_layers=64)\n"
+        "e = Engine(init_random(LlamaModel(cfg).eval(), seed=0), None, device='process',\n"
+        "           max_seqs=2, kv_tokens=256)\n"
+        "print('started without a guard')\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=env)
+    assert done.returncode != 0 and "started without a guard" not in done.stdout
+    assert "__name__ == '__main__'" in done.stderr, done.stderr[-2000:]

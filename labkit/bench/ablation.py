@@ -5,7 +5,10 @@ the same offline workload: requests sharing a system prompt, of varied output le
 them than the rows a step holds, in a KV pool too small to reserve every request's maximum at
 once. The setups take turns (`--rounds R`, the order reversed every other round) on the
 simulated accelerator (`device="process"`, so that the pipelined decoder has a device to
-overlap), and each row reports the median wall time over rounds.
+overlap), each turn on a fresh engine closed after it, and each row reports the median wall
+time over rounds. Every setup that quantizes
+shares one quantized copy of the weights (`EngineSetup.build(quantized=...)`): the setups then
+differ only in what they switch, not in where their weights landed in memory.
 
 Each row also carries the **prediction** of the chapters' cost models. Its terms are measured
 on the whole engine's blocking twin (the `- pipelined decoder` row), where nothing overlaps and
@@ -240,30 +243,36 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
     # a pool that holds every request's pages as they grow, but not every maximum at once
     need = [len(p) + n for p, n in work]
     kv_tokens = max(sum(sorted(need)[-max_seqs:]) * 2 // 3, max(need) + 64)
-    engines = {}
     runs: dict[str, list[dict]] = {name: [] for name, _ in setups}
-    try:
-        for name, setup in setups:
-            engines[name] = setup.build(model, tok, kv_tokens=kv_tokens, max_seqs=max_seqs,
-                                        device=device)
-            run_setup(engines[name], setup.decoder, work[:2])  # warm-up
-        for rnd in range(rounds):
-            order = setups if rnd % 2 == 0 else setups[::-1]
-            for name, setup in order:
-                r = run_setup(engines[name], setup.decoder, work)
-                log(f"  round {rnd + 1}/{rounds} {name:<22} {r['tokens']} tokens in "
-                    f"{r['wall_s']:.2f} s ({r['steps']} launches)")
-                tl = r.pop("timeline")
-                if name == twin:  # the cost model's terms, seen one at a time
-                    sample = sample_ms_per_step(tl, 0, ("decode", "mixed", "prefill")) / 1e3
-                    r["fit"] = (*fit_launch_cost(tl, r["step_tokens"], r["step_rows"]),
-                                blocking_round_trip_s(tl, r["wall_s"]), sample)
-                runs[name].append(r)
-        quant_model = engines["whole engine"].model
-        quant_bytes, fp32_bytes = weight_bytes(quant_model), weight_bytes(model)
-    finally:
-        for e in engines.values():
-            e.close()
+    quantized: dict = {}  # one quantized copy for every setup that quantizes: the same weights
+    for rnd in range(rounds):
+        order = setups if rnd % 2 == 0 else setups[::-1]
+        for name, setup in order:
+            # a fresh engine (and device process) for every turn, closed after it: a process's
+            # own luck (where its pool and buffers landed) is then one round's noise, not a
+            # bias that lasts the whole run, and one device is alive at a time
+            engine = setup.build(model, tok, quantized=quantized, kv_tokens=kv_tokens,
+                                 max_seqs=max_seqs, device=device)
+            try:
+                # warm-up: the whole workload once (a fresh process's first pass through a
+                # workload runs measurably slower: its allocators and caches fill), then the
+                # timed run from a cold prefix cache, as the first run found it
+                run_setup(engine, setup.decoder, work)
+                engine.clear_prefix_cache()
+                r = run_setup(engine, setup.decoder, work)
+            finally:
+                engine.close()
+            del engine
+            log(f"  round {rnd + 1}/{rounds} {name:<22} {r['tokens']} tokens in "
+                f"{r['wall_s']:.2f} s ({r['steps']} launches)")
+            tl = r.pop("timeline")
+            if name == twin:  # the cost model's terms, seen one at a time
+                sample = sample_ms_per_step(tl, 0, ("decode", "mixed", "prefill")) / 1e3
+                r["fit"] = (*fit_launch_cost(tl, r["step_tokens"], r["step_rows"]),
+                            blocking_round_trip_s(tl, r["wall_s"]), sample)
+            runs[name].append(r)
+    quant_model = quantized.get(whole.quant)
+    quant_bytes, fp32_bytes = weight_bytes(quant_model or model), weight_bytes(model)
     a, c, b, h, r_trip, sample = (statistics.median(r["fit"][i] for r in runs[twin])
                                   for i in range(6))
     busy = statistics.median(r["busy"] for got in runs.values() for r in got)
