@@ -304,6 +304,17 @@ class LlamaModel(nn.Module):
         """Logits of the packed tokens (only `logit_rows` of them, if given): [R, V]."""
         # input_ids, positions: [T]; logit_rows: [R] indices into T (usually each sequence's
         # last token: the others' logits are never sampled, and the head is the largest matmul)
+        x = self.hidden(input_ids, positions, attn, normed=False)
+        if logit_rows is not None:
+            x = x[logit_rows]
+        return self.head(rms_norm(x, self.final_norm, self.cfg.rms_norm_eps))
+
+    @torch.inference_mode()
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
+               normed: bool = True) -> torch.Tensor:
+        """The last layer's hidden states [T, d] (final-normed unless `normed=False`): what
+        `head` turns into logits, for a caller that wants them a few rows at a time (a whole
+        window's logits are T x vocab floats: 50 MB for 256 of SmolLM2's tokens)."""
         x = self.embed(input_ids)  # x: [T, d]
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, positions)
         layers = decoder_stack.for_step(self, x, attn)  # every layer in one C++ call, where
@@ -312,9 +323,7 @@ class LlamaModel(nn.Module):
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin, attn)
-        if logit_rows is not None:
-            x = x[logit_rows]
-        return self.head(rms_norm(x, self.final_norm, self.cfg.rms_norm_eps))
+        return rms_norm(x, self.final_norm, self.cfg.rms_norm_eps) if normed else x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [R, V] of final-normed hidden states x [R, d]."""

@@ -16,6 +16,7 @@ import torch
 from torch.nn import functional as F
 
 DEFAULT_TEXT = "pydoc_data.topics"
+HEAD_ROWS = 64  # rows of logits alive at once while scoring (64 x 49,152 floats: 12 MB)
 
 
 class CausalAttention:
@@ -70,11 +71,14 @@ def nll(model, ids: torch.Tensor, window: int = 512, stride: int = 256) -> tuple
     for begin in range(0, max(len(ids) - 1, 1), stride):
         end = min(begin + window, len(ids))
         chunk = ids[begin:end]
-        logits = model(chunk, torch.arange(len(chunk)), CausalAttention())  # [n, V]
-        # logits[j] predicts chunk[j + 1]; score targets at absolute positions >= scored_to
+        hidden = model.hidden(chunk, torch.arange(len(chunk)), CausalAttention())  # [n, d]
+        # logits of row j predict chunk[j + 1]; score targets at absolute positions >= scored_to
         first = scored_to - begin - 1
         targets = chunk[first + 1:]
-        total += F.cross_entropy(logits[first:-1].float(), targets, reduction="sum").item()
+        for a in range(first, len(chunk) - 1, HEAD_ROWS):  # logits a few rows at a time
+            b = min(a + HEAD_ROWS, len(chunk) - 1)
+            logits = model.head(hidden[a:b]).float()  # [rows, V]
+            total += F.cross_entropy(logits, chunk[a + 1:b + 1], reduction="sum").item()
         count += len(targets)
         scored_to = end
         if end == len(ids):
