@@ -563,7 +563,8 @@ class ProcessDevice(Device):
                     raise DeviceError(
                         f"the device process exited while starting (exit code {code}); if "
                         "this is a script, start the engine under `if __name__ == "
-                        "'__main__':` (the device is a spawned process)") from None
+                        "'__main__':` (the device is a new process that imports this "
+                        "script)") from None
                 if time.monotonic() > deadline:
                     self.close()
                     raise DeviceError("the device process did not start in "
