@@ -403,6 +403,29 @@ def test_rms_norm_rope_and_silu_mul_equal_the_torch_ops(monkeypatch, rows, d):
     torch.testing.assert_close(silu_mul(gate, up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_rope_rows_from_the_table_are_the_formulas_values(monkeypatch, threads):
+    # the CPU table (built in small calls, then indexed) gives each position exactly what the
+    # formula gives it, for one row, a few, a long prefill, and past the table's first end
+    from labkit import model as model_mod
+    monkeypatch.setattr(model_mod, "_ROPE_ROWS", {})
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for positions in (torch.tensor([0]), torch.tensor([5, 1023, 7]), torch.arange(3000),
+                          torch.tensor([70_000, 3])):
+            for d, theta in ((64, 1e5), (16, 1e4)):
+                got = model_mod.rope_tables(d, theta, positions)
+                want = model_mod._rope_formula(d, theta, positions)
+                assert got[0].shape == want[0].shape == (len(positions), 1, d)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert model_mod._ROPE_ROWS[(64, 1e5)][0].shape[0] == 1 << 17  # doubled to cover 70,000
+        with pytest.raises(ValueError, match="negative position -1"):
+            model_mod.rope_tables(64, 1e5, torch.tensor([3, -1]))
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_kernel
 def test_the_kernels_stand_aside_while_a_torch_mode_is_on():
     # a pybind call is invisible to a dispatch trace (and to tests' fake CUDA graphs)
