@@ -5,6 +5,13 @@
 // row path reuses int8_linear's fp32 tiles on codes it dequantized into an L1 buffer.
 #include "lanes.h"
 
+// Where a kernel asks for the weights it reads next: into L2 (locality 2, prefetcht1), not L1.
+// Measured on this course's 2-core VM (int4 and int8 at batch 1, a whole step's 121 linears,
+// beside the read probe of the same bytes in the same run): into L1 the kernels read at
+// 0.55-0.63x the probe's rate, into L2 at 0.73-0.82x (likely: a prefetch into L1 holds one of
+// the core's few line-fill buffers until its line arrives, and the kernel's loads queue behind).
+#define LK_LOC 2
+
 // ---- int8 ----
 
 // 8 weights as fp32: from an fp32 buffer, or straight from int8 codes (exact either way)
@@ -93,7 +100,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
       if (b + 1 < b1) {  // ask for this thread's next block now: its rows arrive while
         // this one is multiplied (measured, a SmolLM2 int8 step at batch 1: 1.27x faster)
         const char* next = reinterpret_cast<const char*>(qp + (n0 + RN) * K);
-        for (int64_t off = 0; off < RN * K; off += 64) __builtin_prefetch(next + off, 0, 3);
+        for (int64_t off = 0; off < RN * K; off += 64) __builtin_prefetch(next + off, 0, LK_LOC);
       }
       if (M < 4 && rn == 6) {
         rows<6>(xp, M, K, qp + n0 * K, yp + n0, N);
@@ -148,7 +155,7 @@ at::Tensor fp32_linear(at::Tensor x, at::Tensor w) {
       const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
       if (b + 1 < b1) {  // this thread's next block, asked for while this one is multiplied
         const char* next = reinterpret_cast<const char*>(wp + (n0 + RN) * K);
-        for (int64_t off = 0; off < RN * K * 4; off += 64) __builtin_prefetch(next + off, 0, 3);
+        for (int64_t off = 0; off < RN * K * 4; off += 64) __builtin_prefetch(next + off, 0, LK_LOC);
       }
       if (rn == 6) {
         rows<6, 3>(xp, M, K, wp + n0 * K, yp + n0, N);
@@ -295,8 +302,8 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz) {
       const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
       if (b + 1 < b1) {  // this thread's next block, asked for now (as in int8_linear)
         const char* next = reinterpret_cast<const char*>(cp + (n0 + RN) * (K / 2));
-        for (int64_t off = 0; off < RN * (K / 2); off += 64) __builtin_prefetch(next + off, 0, 3);
-        __builtin_prefetch(sp + (n0 + RN) * ng, 0, 3);
+        for (int64_t off = 0; off < RN * (K / 2); off += 64) __builtin_prefetch(next + off, 0, LK_LOC);
+        __builtin_prefetch(sp + (n0 + RN) * ng, 0, LK_LOC);
       }
       const uint8_t* c = cp + n0 * (K / 2);
       const uint32_t* s = sp + n0 * ng;
@@ -359,7 +366,7 @@ static inline void bf16_block(const uint32_t* xb, const float* xs, int64_t K, in
   const int64_t pf_share = (pf_bytes + ng - 1) / ng;
   for (int64_t g = 0; g < ng; ++g) {
     for (int64_t off = g * pf_share; off < std::min(pf_bytes, (g + 1) * pf_share); off += 64)
-      __builtin_prefetch(pf + off, 0, 3);
+      __builtin_prefetch(pf + off, 0, LK_LOC);
     __m512 a0[RM][RB], a1[RM][RB];  // the group's sums: pairs (4t, 4t+1), pairs (4t+2, 4t+3)
     for (int i = 0; i < RM; ++i)
       for (int r = 0; r < RB; ++r) a0[i][r] = a1[i][r] = _mm512_setzero_ps();
@@ -474,7 +481,8 @@ at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz) {
         const char* pf = reinterpret_cast<const char*>(cp + p0 * cs);
         const int64_t pf_bytes = nx * cs;
         const char* next_sz = reinterpret_cast<const char*>(sp + p0 * ss);
-        for (int64_t off = 0; off < nx * ss * 2; off += 64) __builtin_prefetch(next_sz + off, 0, 3);
+        for (int64_t off = 0; off < nx * ss * 2; off += 64)
+          __builtin_prefetch(next_sz + off, 0, LK_LOC);
         if (rb == 4) {
           bf16_rows<4>(xq, xsq, M, K, ng, G, cp + r0 * cs, sp + r0 * ss, yp + r0 * 16, N, pf,
                        pf_bytes);
