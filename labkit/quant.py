@@ -55,6 +55,10 @@ QUANT_VERSION = 2  # bump when the quantized format changes or old entries may b
 # (2: version 1 wrote a cached AWQ entry's norms into the fp32 tensors every model of the file
 # shares in a process, so entries built after that in the same process were built on AWQ's norms)
 INT4_GROUPS = (32, 64, 128)
+_CANONICAL = ("qweight", "scale", "zero")
+# labkit's int4 layouts, each with its exact inverse: a QuantLinear on one of them holds only it
+_LOSSLESS = {"int4_linear_bf16": cpu_kernels.int4_bf16_codes,
+             "int4_linear": cpu_kernels.int4_codes}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -222,11 +226,13 @@ def check_fits(model: nn.Module, scheme: QuantScheme) -> None:
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W stored in int8 or int4, on packed kernels (labkit's or torch's).
 
-    Persistent buffers hold the canonical codes (what the cache stores): int8 `qweight`
-    [N, K] and `scale` [N]; int4 `qweight` [N, K/2] (pack_int4), `scale`, `zero` [N, K/g].
-    The kernel's own layout (`kweight`, `kscale`) is derived from them and not stored: for int4
-    on the CPU, labkit's bf16-dot layout (`kscale` int16) where `cpu_kernels.int4_bf16_fits`,
-    else labkit's (`kscale` int32) where `cpu_kernels.int4_fits`, else torch's (bf16).
+    The canonical codes (what the cache stores, in its state_dict): int8 `qweight` [N, K] and
+    `scale` [N]; int4 `qweight` [N, K/2] (pack_int4), `scale`, `zero` [N, K/g]. The kernel's
+    own layout (`kweight`, `kscale`) is derived from them and not stored: for int4 on the CPU,
+    labkit's bf16-dot layout (`kscale` int16) where `cpu_kernels.int4_bf16_fits`, else
+    labkit's (`kscale` int32) where `cpu_kernels.int4_fits`, else torch's (bf16). labkit's int4
+    layouts keep every code, scale and zero exactly, so a linear on one of them holds that
+    layout alone and recovers the canonical codes when they are asked for (`canonical`).
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme,
@@ -238,6 +244,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
                                                            requires_grad=False)
         self._labkit_kernel: str | None = None  # set with the codes (_build_kernel_layout)
+        self._derived = False  # True: only the kernel's layout is held (`canonical`)
 
     @classmethod
     def from_weight(cls, w: torch.Tensor, scheme: QuantScheme,
@@ -265,21 +272,31 @@ class QuantLinear(nn.Module):
             raise ValueError("QuantLinear.concat: either every part has a bias or none does")
         bias = None if biases[0] is None else torch.cat(biases)
         fused = cls(first.in_features, sum(p.out_features for p in parts), first.scheme, bias)
-        zero = None if first.scheme.bits == 8 else torch.cat([p.zero for p in parts])
-        fused.set_codes(torch.cat([p.qweight for p in parts]),  # [sum N, K] or [sum N, K/2]
-                        torch.cat([p.scale for p in parts]), zero)
+        codes = [p.canonical() for p in parts]
+        zero = None if first.scheme.bits == 8 else torch.cat([c[2] for c in codes])
+        fused.set_codes(torch.cat([c[0] for c in codes]),  # [sum N, K] or [sum N, K/2]
+                        torch.cat([c[1] for c in codes]), zero)
         return fused
 
     def set_codes(self, qweight: torch.Tensor, scale: torch.Tensor,
                   zero: torch.Tensor | None = None) -> None:
         """Install canonical codes (fresh or from the cache) and build the kernel's layout."""
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scale", scale.float().contiguous())
+        self._install(qweight.contiguous(), scale.float().contiguous(),
+                      None if zero is None else zero.float().contiguous())
+
+    def _install(self, qweight: torch.Tensor, scale: torch.Tensor,
+                 zero: torch.Tensor | None) -> None:
+        self._derived = False
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
         if zero is not None:
-            self.register_buffer("zero", zero.float().contiguous())
+            self.register_buffer("zero", zero)
         self._build_kernel_layout()
 
     def _build_kernel_layout(self) -> None:
+        if self._derived:  # (relayout after a move) the codes first, from the layout moved
+            self._install(*self.canonical())
+            return
         dev = self.qweight.device
         # which of labkit's CPU kernels serves this linear (where `usable`), else None: torch's
         self._labkit_kernel = None
@@ -306,6 +323,32 @@ class QuantLinear(nn.Module):
             ks = _scales_and_zeros(self.scale, self.zero)
         self.register_buffer("kweight", kw, persistent=False)
         self.register_buffer("kscale", ks, persistent=False)
+        if self._labkit_kernel in _LOSSLESS:
+            # labkit's int4 layouts hold every code, scale and zero exactly: the canonical
+            # buffers are not kept beside them (an int4-g32 SmolLM2 holds 80 MiB, not 176) and
+            # `canonical()` gives them back when asked (the cache, dequantized, concat, a move)
+            for name in _CANONICAL:
+                del self._buffers[name]
+            self._derived = True
+
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qweight, scale, zero): the canonical codes, held or recovered from the layout."""
+        if not self.__dict__.get("_derived"):
+            return self.qweight, self.scale, self._buffers.get("zero")
+        codes, scale, zero = _LOSSLESS[self._labkit_kernel](self.kweight, self.kscale)
+        return pack_int4(codes), scale, zero
+
+    def __getattr__(self, name: str):
+        # qweight, scale and zero read as before where only the kernel's layout is held
+        if name in _CANONICAL and self.__dict__.get("_derived"):
+            return self.canonical()[_CANONICAL.index(name)]
+        return super().__getattr__(name)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._derived:  # the cache stores the canonical codes, whatever this model holds
+            for name, t in zip(_CANONICAL, self.canonical()):
+                destination[prefix + name] = t
 
     @property
     def weight_bytes(self) -> int:
@@ -317,7 +360,8 @@ class QuantLinear(nn.Module):
         """The fp32 weight [N, K] these codes stand for (the reference; fake quantization)."""
         if self.scheme.bits == 8:
             return dequantize_int8(self.qweight, self.scale)
-        return dequantize_int4(unpack_int4(self.qweight), self.scale, self.zero)
+        qweight, scale, zero = self.canonical()
+        return dequantize_int4(unpack_int4(qweight), scale, zero)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The naive path: dequantize to fp32, then an ordinary matmul (no bytes saved)."""

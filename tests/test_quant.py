@@ -81,6 +81,34 @@ def test_packed_kernel_layout_holds_the_codes(spec):
     assert torch.equal(got, want), f"{spec}: packed weights differ from the codes"
 
 
+@pytest.mark.parametrize("bf16_dot", ["1", "0"])
+def test_an_int4_linear_on_labkits_layout_holds_only_it_and_gives_the_codes_back(
+        monkeypatch, bf16_dot):
+    # labkit's int4 layouts are exact: such a linear keeps no canonical copy, and what it
+    # gives back for the cache, the reference and a move is exactly what it was given
+    monkeypatch.setenv("LABKIT_BF16_DOT", bf16_dot)
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(8))
+    q, s, z = quantize_int4(w, 32, bf16_scales=True)
+    ql = QuantLinear(128, 96, QuantScheme.parse("int4-g32"))
+    ql.set_codes(pack_int4(q), s, z)
+    if ql._labkit_kernel is None:
+        pytest.skip("labkit's CPU kernels are not built here: the canonical codes are kept")
+    assert ql._labkit_kernel == ("int4_linear_bf16" if bf16_dot == "1" and
+                                 cpu_kernels.kernels().has_bf16_dot() else "int4_linear")
+    assert {n for n, _ in ql.named_buffers()} == {"kweight", "kscale"}
+    state = ql.state_dict()
+    assert torch.equal(state["qweight"], pack_int4(q)) and torch.equal(ql.qweight, pack_int4(q))
+    assert torch.equal(state["scale"], s) and torch.equal(state["zero"], z)
+    assert torch.equal(ql.dequantized(), dequantize_int4(q, s, z))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(9))
+    before = ql(x)
+    again = QuantLinear(128, 96, QuantScheme.parse("int4-g32"))
+    again.set_codes(state["qweight"], state["scale"], state["zero"])
+    assert torch.equal(again(x), before)
+    relayout(ql)  # as after a move: the codes recovered from the layout, the layout rebuilt
+    assert torch.equal(ql(x), before) and ql._labkit_kernel == again._labkit_kernel
+
+
 @pytest.mark.parametrize("spec", SCHEMES)
 def test_quant_linear_matches_the_dequantize_reference(spec):
     gen = torch.Generator().manual_seed(4)

@@ -169,6 +169,21 @@ def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return packed, (bits(scale) | (bits(zero) << 16)).contiguous()
 
 
+def int4_codes(packed: torch.Tensor, sz: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `int4_layout`: codes [N, K] (uint8, 0..15), scales and zeros [N, K/G]
+    (fp32), exactly the values it was given."""
+    n, half = packed.shape
+    p = packed.reshape(n, half // 8, 1, 8)  # [N, blocks, 1, 8]
+    codes = torch.cat([p & 15, p >> 4], dim=2).reshape(n, 2 * half)  # low nibbles, then high
+    return codes, _bf16_of(sz & 0xFFFF), _bf16_of((sz >> 16) & 0xFFFF)
+
+
+def _bf16_of(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 values of bf16 bit patterns held in a wider integer tensor."""
+    return bits.to(torch.int16).view(torch.bfloat16).float()
+
+
 def int4_bf16_fits(n: int, k: int, group_size: int, scale: torch.Tensor,
                    zero: torch.Tensor) -> bool:
     """Whether `int4_linear_bf16` can serve an int4 linear [n, k]: whatever `int4_linear`
@@ -193,6 +208,19 @@ def int4_bf16_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     s, z = (t.bfloat16().view(torch.int16).reshape(n // 16, 16, ng).transpose(1, 2)
             for t in (scale, zero))  # [blk, group, 16 rows] each
     return packed, torch.stack([s, z], 2).reshape(n // 16, 32 * ng).contiguous()
+
+
+def int4_bf16_codes(packed: torch.Tensor, sz: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `int4_bf16_layout`: codes [N, K] (uint8, 0..15), scales and zeros
+    [N, K/G] (fp32), exactly the values it was given."""
+    nb, k8 = packed.shape
+    n, k, ng = 16 * nb, k8 // 8, sz.shape[1] // 32
+    c = packed.reshape(nb, k // 4, 16, 2, 1)  # [blk, t, i, e, 1]
+    c = torch.cat([c & 15, c >> 4], dim=4)  # [blk, t, i, e, high]
+    codes = c.permute(0, 2, 1, 4, 3).reshape(n, k)  # [blk, i, t, high, e]
+    s, z = sz.reshape(nb, ng, 2, 16).unbind(2)  # [blk, group, 16 rows] each
+    return (codes, *(_bf16_of(t.transpose(1, 2).reshape(n, ng)) for t in (s, z)))
 
 
 def kernels():
