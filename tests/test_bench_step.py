@@ -33,8 +33,8 @@ def test_bad_quant_exits_2(capsys, monkeypatch):
     refuses(bench_step.main, ["--quant", "int5"], "--quant", capsys, monkeypatch)
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_a_quantized_step_reports_its_linears_read_rate_beside_the_probe(quant, capsys):
+@pytest.mark.parametrize("quant", ["int8", "int4", "none"])
+def test_a_step_reports_its_linears_read_rate_beside_the_probe(quant, capsys):
     # structure and sanity, not a speed: each of layer 0's linears and the head, then all of a
     # step's linears, with the bytes they read, their time, and the probe's over the same bytes
     from labkit.kernels import cpu as cpu_kernels
@@ -47,14 +47,17 @@ def test_a_quantized_step_reports_its_linears_read_rate_beside_the_probe(quant, 
         assert rates == []
         return
     names = [r["linear"] for r in rates]
-    assert names == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head",
-                     "step linears"], names  # a fused layer's linears in the step's order
+    layer = (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+             if quant == "none" else ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    assert names == [*layer, "lm_head", "step linears"], names  # in the step's order
     step, per_shape = rates[-1], rates[:-1]
-    # the step reads every layer's linears and the head once: 4 linears a fused layer, + 1
-    assert step["shape"] == f"{4 * 2 + 1} linears" and step["bytes"] > sum(
+    # the step reads every layer's linears and the head once (tiny has 2 layers)
+    assert step["shape"] == f"{len(layer) * 2 + 1} linears" and step["bytes"] > sum(
         r["bytes"] for r in per_shape)
+    kernels = (["fp32_linear"] if quant == "none"
+               else ["int8_linear", "int4_linear", "int4_linear_bf16"])
     for r in rates:
-        assert r["kernel"] in ("int8_linear", "int4_linear", "int4_linear_bf16"), r
+        assert r["kernel"] in kernels, r
         assert r["bytes"] > 0 and r["us"] > 0 and r["probe_us"] > 0 and r["threads"] >= 1, r
         # each figure is its bytes over its time, and the ratio is the probe's time over the
         # kernel's (rounding aside): a table whose columns disagree would mislead

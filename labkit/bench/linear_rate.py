@@ -1,4 +1,4 @@
-"""How fast a quantized linear reads its weights at batch 1, held against how fast this CPU
+"""How fast a linear reads its weights at batch 1, held against how fast this CPU
 reads the same number of bytes and does nothing else (`bench step` prints it).
 
 At batch 1 a decode step reads every weight once and does little arithmetic per byte, so a
@@ -7,14 +7,16 @@ zeros, `QuantLinear.weight_bytes`) over its time. Its ceiling is measured, not q
 C++ `read_probe` reads a buffer of the same size with the same threads (`at::parallel_for`, so
 the same wake-up cost), 64 bytes a load and nothing else. A buffer that fits the cache is read
 at the cache's rate, one that does not at memory's, for the probe as for the kernel.
+A quantized linear runs its labkit kernel (int8, int4); an fp32 one (and a tied head, the
+embedding matrix) runs `fp32_linear`, labkit's kernel for steps of a few rows.
 
 Two views, each timed in alternating turns with the probe (medians of the turns):
 - per shape: layer 0's linears and the head, each called again and again on one row of x
   (its bytes stay in cache between calls, as the probe's do);
 - a step's linears: every layer's, then the head, in the model's order (a whole model's bytes,
   read as a step reads them), against one probe buffer of their total size.
-Both call the kernel itself (`QuantLinear._labkit_kernel`), not the module: the module adds a
-few microseconds of Python a call, which the step's phase table counts.
+Both call the kernel itself (`_kernel`: the one that serves the linear), not the module: the
+module adds a few microseconds of Python a call, which the step's phase table counts.
 """
 
 from __future__ import annotations
@@ -33,13 +35,36 @@ LAYER_ORDER = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj
 TURN_S = 2e-3  # one turn's length: many calls of a small linear, one or two of the head
 
 
+def _kernel(lin) -> str | None:
+    """The labkit kernel that serves `lin` at one row: a QuantLinear's own, `fp32_linear` for
+    an fp32 nn.Linear or a bare [N, K] weight (a tied head); None where none does."""
+    if isinstance(lin, torch.Tensor):
+        lin_w = lin
+    elif type(lin) is torch.nn.Linear:
+        lin_w = lin.weight
+    else:
+        return getattr(lin, "_labkit_kernel", None)
+    return "fp32_linear" if lin_w.dtype == torch.float32 and lin_w.is_contiguous() else None
+
+
+def _shape(lin) -> tuple[int, int, int]:
+    """(N, K, bytes read per call) of a linear, as `_kernel` takes it."""
+    w = lin if isinstance(lin, torch.Tensor) else getattr(lin, "weight", None)
+    if w is not None and _kernel(lin) == "fp32_linear":
+        return w.shape[0], w.shape[1], w.numel() * w.element_size()
+    return lin.out_features, lin.in_features, lin.weight_bytes
+
+
 def _call(lin) -> tuple:
-    """(kernel, its arguments) for one row of x through `lin` (a QuantLinear)."""
+    """(kernel, its arguments) for one row of x through `lin`."""
     mod = cpu_kernels.kernels()
-    x = torch.randn(1, lin.in_features)  # x: [1, K]
-    if lin._labkit_kernel == "int8_linear":
+    kernel = _kernel(lin)
+    x = torch.randn(1, _shape(lin)[1])  # x: [1, K]
+    if kernel == "fp32_linear":
+        return mod.fp32_linear, (x, lin if isinstance(lin, torch.Tensor) else lin.weight)
+    if kernel == "int8_linear":
         return mod.int8_linear, (x, lin.qweight, lin.scale)
-    return getattr(mod, lin._labkit_kernel), (x, lin.kweight, lin.kscale)
+    return getattr(mod, kernel), (x, lin.kweight, lin.kscale)
 
 
 def _turns(calls: list[tuple], nbytes: int, turns: int) -> tuple[float, float]:
@@ -71,11 +96,11 @@ def _turns(calls: list[tuple], nbytes: int, turns: int) -> tuple[float, float]:
 
 
 def _row(name: str, lins: list, turns: int) -> dict:
-    nbytes = sum(lin.weight_bytes for lin in lins)
+    nbytes = sum(_shape(lin)[2] for lin in lins)
     kern_s, read_s = _turns([_call(lin) for lin in lins], nbytes, turns)
-    first = lins[0]
-    return {"linear": name, "shape": f"{first.out_features}x{first.in_features}",
-            "kernel": first._labkit_kernel, "bytes": nbytes, "us": kern_s * 1e6,
+    n, k, _ = _shape(lins[0])
+    return {"linear": name, "shape": f"{n}x{k}",
+            "kernel": _kernel(lins[0]), "bytes": nbytes, "us": kern_s * 1e6,
             "gb_per_s": nbytes / kern_s / 1e9, "probe_us": read_s * 1e6,
             "probe_gb_per_s": nbytes / read_s / 1e9, "over_probe": read_s / kern_s,
             "threads": torch.get_num_threads(),
@@ -83,24 +108,20 @@ def _row(name: str, lins: list, turns: int) -> dict:
 
 
 def linear_rates(model, turns: int = 15) -> list[dict]:
-    """Effective GB/s of `model`'s quantized linears at batch 1 beside the read probe of the
-    same bytes: one row per linear of layer 0 and the head, then "step linears" (all of them
-    in order). [] where labkit's kernels do not serve them (not built, or not quantized)."""
-    from labkit.quant import QuantLinear
-
+    """Effective GB/s of `model`'s linears at batch 1 beside the read probe of the same bytes:
+    one row per linear of layer 0 and the head, then "step linears" (all of them in order, the
+    head last). [] where labkit's kernels do not serve every one of them (not built, a layout
+    of torch's)."""
     if cpu_kernels.kernels() is None:
         return []
-    order = [m for m in model.modules()
-             if isinstance(m, QuantLinear) and m._labkit_kernel is not None]
-    if not order:
+    head = model.embed.weight if model.lm_head is None else model.lm_head  # tied: the matrix
+    layers = [[(name, m) for name in LAYER_ORDER
+               if (m := getattr(layer, name, None)) is not None] for layer in model.layers]
+    order = [m for layer in layers for _, m in layer] + [head]
+    if any(_kernel(m) is None for m in order):
         return []
-    layer0 = [(name, getattr(model.layers[0], name, None)) for name in LAYER_ORDER]
-    layer0 = [(name, m) for name, m in layer0
-              if isinstance(m, QuantLinear) and m._labkit_kernel is not None]
-    if isinstance(model.lm_head, QuantLinear) and model.lm_head._labkit_kernel is not None:
-        layer0.append(("lm_head", model.lm_head))
     with torch.inference_mode():
-        rows = [_row(name, [m], turns) for name, m in layer0]
+        rows = [_row(name, [m], turns) for name, m in [*layers[0], ("lm_head", head)]]
         rows.append(_row("step linears", order, max(5, turns // 3)))
     rows[-1]["shape"] = f"{len(order)} linears"
     return rows

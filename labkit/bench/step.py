@@ -265,7 +265,7 @@ def main(argv: list[str]) -> int:
         for b in args.batch:
             log(f"  batch {b} ...")
             rows.append(bench_step(model, b, args.context, args.steps))
-            if b == 1 and args.quant != "none":  # the kernels' read rate at batch 1
+            if b == 1:  # the kernels' read rate at batch 1
                 log("  linears at batch 1 against the read probe ...")
                 rows[-1]["linear_rates"] = linear_rates(model, turns=max(3, args.steps))
         return rows
