@@ -263,8 +263,10 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
     draft = labkit.SamplingParams(speculative=speculative).draft if speculative else None
     drafts = ({draft[0]: load_model(model, quant=draft[0])[0]}
               if draft and draft[0] != "ngram" else {})
+    # the pipelined loop plans around finishes by length, as EngineSetup has it (whole_engine)
     engine = labkit.Engine(m, tok, max_seqs=max(streams, 1), attention=attention,
-                           kv_tokens=kv_tokens, max_step_tokens=max_step_tokens, drafts=drafts)
+                           kv_tokens=kv_tokens, max_step_tokens=max_step_tokens, drafts=drafts,
+                           foresee_finishes=decoder == "pipelined")
 
     warm = [(ids, 4) for ids, _ in work[:2]]  # first calls pay for allocation and dispatch
     run_labkit(engine, warm, decoder=decoder, speculative=speculative)
@@ -320,7 +322,8 @@ def main(argv: list[str]) -> int:
     p = command_parser("python -m labkit bench generate",
                        "labkit against transformers' generate on the same chat requests "
                        "(greedy, same thread count). The engine flags set labkit's side; "
-                       "transformers stays fp32.")
+                       "transformers stays fp32. The whole engine (EngineSetup.whole()): "
+                       "--quant int8 --attention flash --decoder pipelined.")
     p.add_argument("--streams", type=int, default=32, help=f"requests (1..{len(INSTRUCTIONS)})")
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch threads for both (default {torch.get_num_threads()})")
