@@ -497,16 +497,15 @@ def load_quantized(model: nn.Module, scheme: QuantScheme, state: dict[str, torch
     # AWQ folds its scales into the norms. Replace them, never copy into them: the fp32 model
     # this one was built on shares its tensors with every other model of the same file in
     # this process (load_state_dict would have written AWQ's norms into all of them)
-    for key, value in state.items():
-        if key.endswith("norm"):
-            parent, _, attr = key.rpartition(".")
-            mod = model.get_submodule(parent)
-            old = getattr(mod, attr)
-            if old.shape != value.shape:
-                raise ValueError(f"cached {key} has shape {tuple(value.shape)}, the model "
-                                 f"{tuple(old.shape)}: a stale or foreign cache entry")
-            setattr(mod, attr, nn.Parameter(value.to(old.dtype, copy=True),
-                                            requires_grad=False))
+    for key in [k for k in state if k.endswith("norm")]:  # (only these: `state` may read
+        value = state[key]  # each tensor from its file when asked, labkit.loading)
+        parent, _, attr = key.rpartition(".")
+        mod = model.get_submodule(parent)
+        old = getattr(mod, attr)
+        if old.shape != value.shape:
+            raise ValueError(f"cached {key} has shape {tuple(value.shape)}, the model "
+                             f"{tuple(old.shape)}: a stale or foreign cache entry")
+        setattr(mod, attr, nn.Parameter(value.to(old.dtype, copy=True), requires_grad=False))
     return model.eval().requires_grad_(False)
 
 

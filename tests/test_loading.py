@@ -397,3 +397,30 @@ def test_the_memo_shares_what_a_live_model_holds_and_lets_the_rest_go(tmp_path, 
     half, _ = load_model(str(path), dtype=torch.bfloat16)  # a copy: its own, never memoized
     assert half.embed.weight.dtype == torch.bfloat16
     assert all(t.dtype == torch.float32 for t in live.values())
+
+
+def test_a_safetensors_file_read_module_by_module_gives_every_tensor_as_saved(tmp_path):
+    # the reader quantized models load through (labkit.loading._ModuleByModule): its own
+    # header parse and one mapping per module give what safetensors' own reader gives
+    from safetensors.torch import load_file, save_file
+
+    from labkit.loading import _ModuleByModule
+
+    gen = torch.Generator().manual_seed(0)
+    state = {"layers.0.o_proj.qweight": torch.randint(0, 255, (48, 16), generator=gen,
+                                                      dtype=torch.uint8),
+             "layers.0.o_proj.scale": torch.randn(48, 1, generator=gen),
+             "layers.0.input_norm": torch.randn(32, generator=gen),
+             "layers.1.down_proj.qweight": torch.randint(-127, 127, (5, 3), generator=gen,
+                                                         dtype=torch.int8),
+             "lm_head.kscale": torch.randn(7, 9, generator=gen).bfloat16(),
+             "final_norm": torch.randn(32, generator=gen)}
+    save_file(state, str(tmp_path / "q.safetensors"))
+    lazy = _ModuleByModule(tmp_path / "q.safetensors")
+    want = load_file(str(tmp_path / "q.safetensors"))
+    assert sorted(lazy) == sorted(want) and len(lazy) == len(want)
+    for key in ["lm_head.kscale", "layers.0.o_proj.scale", "final_norm",
+                "layers.0.o_proj.qweight", "layers.1.down_proj.qweight", "layers.0.input_norm"]:
+        got = lazy[key]
+        assert got.dtype == want[key].dtype and torch.equal(got, want[key]), key
+    assert lazy.get("layers.0.o_proj.zero") is None  # a name the file does not hold
