@@ -54,22 +54,25 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_fp32_kernel_equals_torchs_linear(rows, bias):
+@pytest.mark.parametrize("k", [100, 576])
+def test_the_fp32_kernel_equals_torchs_linear(rows, bias, k):
+    # K = 100: 8 lanes and a tail of 4; K = 576 (SmolLM2's): 16 lanes where AVX-512 is
     gen = torch.Generator().manual_seed(4)
-    lin = torch.nn.Linear(100, 200, bias=bias)  # K = 100: a tail of 4; N = 200: 33 x 6 + 2
-    x = torch.randn(rows, 100, generator=gen)
+    lin = torch.nn.Linear(k, 200, bias=bias)  # N = 200: 33 blocks of 6 + 2 rows
+    x = torch.randn(rows, k, generator=gen)
     got = linear(lin, x)
     assert torch.equal(got, built.fp32_linear(x, lin.weight) + (lin.bias if bias else 0))
     torch.testing.assert_close(got, lin(x), rtol=1e-5, atol=1e-5)  # only the order of the sums
 
 
 @needs_kernel
-def test_an_fp32_rows_result_does_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("k", [100, 576])
+def test_an_fp32_rows_result_does_not_depend_on_the_rows_beside_it(k):
     # a speculative verify of k + 1 rows must score each position as a 1-row step would
-    w = torch.randn(9, 100, generator=torch.Generator().manual_seed(5))  # blocks of 6, 3
-    x = torch.randn(14, 100, generator=torch.Generator().manual_seed(6))
+    w = torch.randn(9, k, generator=torch.Generator().manual_seed(5))  # blocks of 6, 3
+    x = torch.randn(14, k, generator=torch.Generator().manual_seed(6))
     alone = torch.cat([built.fp32_linear(x[i:i + 1], w) for i in range(14)])
-    for m in range(2, 15):  # tiles of 3 x 6 and 3 x 1, and their tails of 2 and 1 rows
+    for m in range(2, 15):  # tiles of 3 (or 4) x 6 and x 1, and their tails
         assert torch.equal(built.fp32_linear(x[:m], w), alone[:m]), m
 
 
