@@ -210,8 +210,15 @@ def test_kernel_paths_name_the_kernel_each_op_runs_on_and_why_not():
         assert paths["attention"].endswith("flash_attention")
     else:
         assert "torch _weight_int8pack_mm" in linear and cpu_kernels.status() in linear
+    fp32, _ = load_model("tiny")  # 7 linears in each of 2 layers, and the tied head
+    (fp32_linears,) = [(k, v) for k, v in kernel_paths(fp32, "paged") if k.startswith("linear")]
+    assert fp32_linears[0] == "linear x15"
+    assert ("fp32_linear" in fp32_linears[1] if cpu_kernels.kernels() is not None
+            else "torch matmul" in fp32_linears[1])
     bf16, _ = load_model("tiny", dtype=torch.bfloat16)
     paths = dict(kernel_paths(bf16, "paged"))
     assert "labkit's C++ serves fp32 CPU" in paths["attention"]
+    assert "torch matmul (cpu bfloat16" in next(v for k, v in paths.items()
+                                                 if k.startswith("linear"))
     assert "gather then torch SDPA" in paths["attention"]
     assert "attention" in format_paths(kernel_paths(model, "naive"))

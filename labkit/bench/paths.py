@@ -26,6 +26,9 @@ def kernel_paths(model, attention: str, device: str = "cpu") -> list[tuple[str, 
            else f"{device} {str(dtype).removeprefix('torch.')}: labkit's C++ serves fp32 CPU")
     labkit = f"labkit C++ ({cpu_kernels.status()})" if built is not None else None
     linears: Counter[str] = Counter()
+    # fp32 weights: labkit's few-row kernel up to its row count (decode, a verify), then torch's
+    fp32 = (f"{labkit} fp32_linear (steps of up to {built.FP32_KERNEL_ROWS} rows; torch "
+            "matmul beyond)" if labkit is not None else f"torch matmul ({why})")
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             name = mod._labkit_kernel
@@ -36,7 +39,9 @@ def kernel_paths(model, attention: str, device: str = "cpu") -> list[tuple[str, 
             else:
                 linears[f"torch dequantize-then-matmul ({why})"] += 1
         elif isinstance(mod, torch.nn.Linear):
-            linears["torch matmul (fp32 weights)"] += 1
+            linears[fp32] += 1
+    if getattr(model, "lm_head", False) is None:  # tied: the head is the embedding matrix
+        linears[fp32] += 1
     out = [(f"linear x{n}", path) for path, n in sorted(linears.items())]
     row_ops = labkit or f"torch aten ops ({why})"
     out += [("rms_norm, rope, silu_mul", row_ops)]
