@@ -68,3 +68,32 @@ def test_a_step_reports_its_linears_read_rate_beside_the_probe(quant, capsys):
     bench_step._table(rows)  # the people's table prints the same rows
     out = capsys.readouterr().out
     assert "read probe" in out and "step linears" in out and "kernel/probe" in out
+
+
+def test_the_step_read_ratio_sampler_gives_the_probe_over_a_pass(monkeypatch):
+    # notebook 03's claim samples it: a positive ratio per call (the probe's time over a pass
+    # over every linear of a step); None where labkit's kernels do not serve every linear
+    from labkit.bench import linear_rate
+    from labkit.kernels import cpu as cpu_kernels
+    from labkit.loading import load_model
+
+    model, _ = load_model("tiny", quant="int4")
+    sampler = linear_rate.step_read_ratio(model)
+    if cpu_kernels.kernels() is None:
+        assert sampler is None
+        return
+    passes = []
+    plain = linear_rate._call
+
+    def counted(lin):
+        fn, args = plain(lin)
+        return (lambda *a: passes.append(1) or fn(*a)), args
+
+    monkeypatch.setattr(linear_rate, "_call", counted)
+    sampler = linear_rate.step_read_ratio(model)
+    n = len(passes)  # its warm-up pass
+    ratios = [sampler(), sampler(), sampler()]
+    assert all(0 < r < 100 for r in ratios), ratios
+    assert n == 2 * 4 + 1 and len(passes) == 4 * n  # tiny: 2 fused layers of 4, the head
+    monkeypatch.setattr(linear_rate, "_kernel", lambda lin: None)
+    assert linear_rate.step_read_ratio(model) is None  # a linear labkit does not serve

@@ -127,6 +127,50 @@ def linear_rates(model, turns: int = 15) -> list[dict]:
     return rows
 
 
+def step_read_ratio(model):
+    """A sampler for `claims.measure`: each call times one pass over a step's linears at batch 1
+    (every layer's, then the head) and one probe read of the same bytes, the order swapped
+    every call, and returns the probe's time over the pass's (1.0: the kernels read their
+    weights as fast as this CPU reads bytes and does nothing else). None where labkit's kernels
+    do not serve every linear."""
+    if cpu_kernels.kernels() is None:
+        return None
+    head = model.embed.weight if model.lm_head is None else model.lm_head
+    order = [m for layer in model.layers for name in LAYER_ORDER
+             if (m := getattr(layer, name, None)) is not None] + [head]
+    if any(_kernel(m) is None for m in order):
+        return None
+    calls = [_call(m) for m in order]
+    nbytes = sum(_shape(m)[2] for m in order)
+    probe = cpu_kernels.kernels().read_probe
+    buf = torch.ones(nbytes, dtype=torch.uint8)  # ones: pages really mapped
+    turn = [0]
+
+    def one_pass() -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for fn, args in calls:
+                fn(*args)
+        return time.perf_counter() - t0
+
+    def one_read() -> float:
+        t0 = time.perf_counter()
+        probe(buf)
+        return time.perf_counter() - t0
+
+    one_pass(), one_read()  # warm: first touches, the thread pool started
+
+    def sample() -> float:
+        turn[0] += 1
+        if turn[0] % 2:
+            kern, read = one_pass(), one_read()
+        else:
+            read, kern = one_read(), one_pass()
+        return read / kern
+
+    return sample
+
+
 def format_rates(rows: list[dict]) -> str:
     """The rows as a table: each linear's us and GB/s, the probe's, their ratio, and the
     machine's load average when the row was measured (a busy machine slows both)."""
