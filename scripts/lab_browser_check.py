@@ -6,7 +6,12 @@ Playwright), on a throwaway clone of this repository:
    attempted", and after the file is edited and saved (no kernel restart) the same cell grades
    the edit;
 3. each clone grades its own `exercises/`: the clone's answer is graded, though the venv's
-   editable install points `exercises` at another clone.
+   editable install points `exercises` at another clone;
+4. a timing claim whose first measurement was taken under load is reported inconclusive in the
+   cell's output, measured again and decided on the quiet measurement (no AssertionError), and
+   a claim a quiet measurement refutes still fails, with a message that says why (a cell the
+   check types below the last one: the estimates are given, so the check does not depend on
+   what else the machine runs).
 
 Needs Playwright (`pip install playwright`, its Python package only) and a Chromium
 (`apt-get install chromium`); neither is a course requirement. Run it with the Python that has
@@ -94,6 +99,35 @@ def run_cell(page, index: int, expect: str, timeout_s: float = 180) -> str:
                          f"{text[-400:]!r}")
 
 
+# typed into a new cell below the notebook's last (no line is indented: pressing Enter after one
+# adds no indentation to the next)
+CLAIM_CELL = [
+    "from labkit import claims",
+    "quiet = claims.Estimate((1.00, 1.01, 0.99), busy=0.0)",
+    "loaded = claims.Estimate((3.0, 3.1, 2.9), busy=1.4, remeasure=lambda: quiet)",
+    "claims.hold(loaded, 0.9, 1.1, 'a ratio first measured under load')",
+    "print('held on the quiet measurement')",
+    "claims.hold(claims.Estimate((3.0, 3.1, 2.9), busy=0.0), 0.9, 1.1, 'a false claim')",
+]
+
+
+def type_cell(page, index: int, lines: list[str]) -> None:
+    """Type `lines` into cell `index` of the open notebook, adding it below the last cell first
+    if there is none (Shift+Enter on the last cell has usually added it already)."""
+    cells = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell")
+    if cells.count() <= index:
+        cells.nth(cells.count() - 1).locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Escape")
+        page.keyboard.press("b")  # command mode: a new cell below
+    editor = cells.nth(index).locator(".jp-InputArea-editor")
+    editor.scroll_into_view_if_needed()
+    editor.click()
+    for i, line in enumerate(lines):
+        page.keyboard.insert_text(line)  # as pasted: no auto-closed brackets
+        if i < len(lines) - 1:
+            page.keyboard.press("Enter")
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -143,6 +177,17 @@ def main(argv: list[str]) -> int:
                                 "✓ rms_norm" in after, after.splitlines()[0]))
                 results.append(("this clone's exercises/ were graded, not the venv's",
                                 "✓ rms_norm" in after and ROOT != clone, str(clone)))
+                type_cell(page, n, CLAIM_CELL)
+                claim = run_cell(page, n, "a false claim", timeout_s=60)
+                page.screenshot(path=str(args.out / "3-claim-under-load.png"), full_page=True)
+                results.append((
+                    "a claim measured under load is reported inconclusive, then decided quiet",
+                    "inconclusive under load" in claim and "held on the quiet measurement" in claim,
+                    next((ln for ln in claim.splitlines() if "inconclusive" in ln), "")[:160]))
+                results.append(("a claim a quiet measurement refutes still fails",
+                                "AssertionError" in claim,
+                                next((ln for ln in claim.splitlines()
+                                      if ln.startswith("AssertionError:")), "")[:160]))
                 browser.close()
         finally:
             lab.terminate()
