@@ -247,6 +247,11 @@ class _ModuleByModule(Mapping):
         header.pop("__metadata__", None)
         self._base = 8 + n  # where the data begins
         self._meta = header  # name -> {"dtype", "shape", "data_offsets": [begin, end)}
+        self._spans: dict[str, tuple[int, int]] = {}  # module -> its bytes [begin, end)
+        for key, info in header.items():
+            module, (b, e) = key.rpartition(".")[0], info["data_offsets"]
+            lo, hi = self._spans.get(module, (b, e))
+            self._spans[module] = (min(lo, b), max(hi, e))
         self._open: tuple[str, object, int] | None = None  # (module, its mapping, its start)
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -255,11 +260,9 @@ class _ModuleByModule(Mapping):
         info = self._meta[key]  # KeyError for a name the file does not hold
         module = key.rpartition(".")[0]
         if self._open is None or self._open[0] != module:
-            spans = [m["data_offsets"] for k, m in self._meta.items()
-                     if k.rpartition(".")[0] == module]
-            start = (self._base + min(b for b, _ in spans)) // mmap.ALLOCATIONGRANULARITY \
-                * mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
-            end = self._base + max(e for _, e in spans)
+            begin, end = self._spans[module]
+            page = mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
+            start, end = (self._base + begin) // page * page, self._base + end
             with open(self.file, "rb") as f:  # copy-on-write: torch wants a writable buffer;
                 mapped = mmap.mmap(f.fileno(), end - start, offset=start,  # nothing writes it
                                    access=mmap.ACCESS_COPY)

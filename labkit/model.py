@@ -167,20 +167,19 @@ def _rope_rows(head_dim: int, theta: float, positions: torch.Tensor
     that position, whatever the thread count."""
     key = (head_dim, float(theta))
     table = _ROPE_ROWS.get(key)
-    try:
-        if table is None:
-            raise IndexError
-        return table[0].index_select(0, positions), table[1].index_select(0, positions)
-    except IndexError:  # no table yet, or a position past its end (or negative: raised below)
-        if positions.numel() and int(positions.min()) < 0:
-            raise ValueError(f"rope_tables: negative position {int(positions.min())}") from None
-        need = int(positions.max()) + 1 if positions.numel() else 1
-        n = max(2 * _ROPE_CHUNK, 1 << (need - 1).bit_length())
-        parts = [_rope_formula(head_dim, theta, torch.arange(p, min(p + _ROPE_CHUNK, n)))
-                 for p in range(0, n, _ROPE_CHUNK)]
-        table = (torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts]))
-        _ROPE_ROWS[key] = table
-        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+    if table is not None:
+        try:  # (no max() of the positions first: that would cost a decode step as much again)
+            return table[0].index_select(0, positions), table[1].index_select(0, positions)
+        except IndexError:  # a position past the table's end, or a negative one
+            pass
+    if positions.numel() and int(positions.min()) < 0:
+        raise ValueError(f"rope_tables: negative position {int(positions.min())}")
+    need = int(positions.max()) + 1 if positions.numel() else 1
+    n = max(2 * _ROPE_CHUNK, 1 << (need - 1).bit_length())
+    parts = [_rope_formula(head_dim, theta, torch.arange(p, min(p + _ROPE_CHUNK, n)))
+             for p in range(0, n, _ROPE_CHUNK)]
+    table = _ROPE_ROWS[key] = (torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts]))
+    return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

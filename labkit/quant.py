@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -232,7 +233,7 @@ class QuantLinear(nn.Module):
     labkit's bf16-dot layout (`kscale` int16) where `cpu_kernels.int4_bf16_fits`, else
     labkit's (`kscale` int32) where `cpu_kernels.int4_fits`, else torch's (bf16). labkit's int4
     layouts keep every code, scale and zero exactly, so a linear on one of them holds that
-    layout alone and recovers the canonical codes when they are asked for (`canonical`).
+    layout alone: `canonical()` gives its codes back (and its state_dict holds them).
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme,
@@ -332,17 +333,12 @@ class QuantLinear(nn.Module):
             self._derived = True
 
     def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(qweight, scale, zero): the canonical codes, held or recovered from the layout."""
-        if not self.__dict__.get("_derived"):
+        """(qweight, scale, zero): the canonical codes, held or recovered from the layout (a
+        linear on labkit's int4 layout has no `qweight`, `scale` or `zero` buffers: ask here)."""
+        if not self._derived:
             return self.qweight, self.scale, self._buffers.get("zero")
         codes, scale, zero = _LOSSLESS[self._labkit_kernel](self.kweight, self.kscale)
         return pack_int4(codes), scale, zero
-
-    def __getattr__(self, name: str):
-        # qweight, scale and zero read as before where only the kernel's layout is held
-        if name in _CANONICAL and self.__dict__.get("_derived"):
-            return self.canonical()[_CANONICAL.index(name)]
-        return super().__getattr__(name)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -466,7 +462,7 @@ def quantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in model.state_dict().items() if k != "embed.weight"}
 
 
-def load_quantized(model: nn.Module, scheme: QuantScheme, state: dict[str, torch.Tensor],
+def load_quantized(model: nn.Module, scheme: QuantScheme, state: Mapping[str, torch.Tensor],
                    fuse: bool = False) -> nn.Module:
     """Rebuild a quantized model from `quantized_state` output, on an fp32 model; in place.
     `fuse`: q|k|v and gate|up as one QuantLinear each, stacked from their codes (the layout

@@ -67,37 +67,51 @@ def _call(lin) -> tuple:
     return getattr(mod, kernel), (x, lin.kweight, lin.kscale)
 
 
-def _turns(calls: list[tuple], nbytes: int, turns: int) -> tuple[float, float]:
-    """Median seconds of one pass over `calls`, and of one probe read of `nbytes` bytes, from
-    alternating turns of `reps` passes each."""
-    probe = cpu_kernels.kernels().read_probe
-    buf = torch.ones(nbytes, dtype=torch.uint8)  # ones: pages really mapped, not the zero page
+class _Pair:
+    """`lins` as a step calls their kernels (one row of x each), beside a probe buffer of the
+    same bytes: the two sides every measurement here alternates."""
 
-    def one_pass():
-        for fn, args in calls:
+    def __init__(self, lins: list):
+        self.calls = [_call(lin) for lin in lins]
+        self.nbytes = sum(_shape(lin)[2] for lin in lins)
+        self.probe = cpu_kernels.kernels().read_probe
+        self.buf = torch.ones(self.nbytes, dtype=torch.uint8)  # ones: pages really mapped
+        self.one_pass(), self.read()  # warm: first touches, the thread pool started
+
+    def one_pass(self) -> None:
+        for fn, args in self.calls:
             fn(*args)
 
-    def timed(f, reps: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            f()
-        return (time.perf_counter() - t0) / reps
+    def read(self) -> None:
+        self.probe(self.buf)
 
-    one_pass(), probe(buf)  # warm: first touches, the thread pool started
-    reps = max(1, int(TURN_S / max(timed(one_pass, 1), 1e-7)))
+
+def _timed(f, reps: int = 1) -> float:
+    """Seconds of one call of f, over `reps` calls."""
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        f()
+    return (time.perf_counter() - t0) / reps
+
+
+def _turns(pair: _Pair, turns: int) -> tuple[float, float]:
+    """Median seconds of one pass over the pair's linears, and of one probe read of their
+    bytes, from alternating turns of `reps` passes each."""
+    reps = max(1, int(TURN_S / max(_timed(pair.one_pass), 1e-7)))
     kern, read = [], []
     for i in range(turns):  # alternating: a drifting machine slows both alike; who goes
         if i % 2:  # first changes every turn, so neither always inherits the other's cache
-            read.append(timed(lambda: probe(buf), reps))
-        kern.append(timed(one_pass, reps))
+            read.append(_timed(pair.read, reps))
+        kern.append(_timed(pair.one_pass, reps))
         if not i % 2:
-            read.append(timed(lambda: probe(buf), reps))
+            read.append(_timed(pair.read, reps))
     return statistics.median(kern), statistics.median(read)
 
 
 def _row(name: str, lins: list, turns: int) -> dict:
-    nbytes = sum(_shape(lin)[2] for lin in lins)
-    kern_s, read_s = _turns([_call(lin) for lin in lins], nbytes, turns)
+    pair = _Pair(lins)
+    nbytes = pair.nbytes
+    kern_s, read_s = _turns(pair, turns)
     n, k, _ = _shape(lins[0])
     return {"linear": name, "shape": f"{n}x{k}",
             "kernel": _kernel(lins[0]), "bytes": nbytes, "us": kern_s * 1e6,
@@ -107,21 +121,31 @@ def _row(name: str, lins: list, turns: int) -> dict:
             "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
-def linear_rates(model, turns: int = 15) -> list[dict]:
-    """Effective GB/s of `model`'s linears at batch 1 beside the read probe of the same bytes:
-    one row per linear of layer 0 and the head, then "step linears" (all of them in order, the
-    head last). [] where labkit's kernels do not serve every one of them (not built, a layout
-    of torch's)."""
+def _step_linears(model) -> tuple[list[tuple[str, object]], list] | None:
+    """(layer 0's linears by name with the head last, every linear of a step in order with the
+    head last); the head of a tied model is the embedding matrix. None where labkit's kernels
+    do not serve every one of them (not built, a layout of torch's)."""
     if cpu_kernels.kernels() is None:
-        return []
-    head = model.embed.weight if model.lm_head is None else model.lm_head  # tied: the matrix
+        return None
+    head = model.embed.weight if model.lm_head is None else model.lm_head
     layers = [[(name, m) for name in LAYER_ORDER
                if (m := getattr(layer, name, None)) is not None] for layer in model.layers]
     order = [m for layer in layers for _, m in layer] + [head]
     if any(_kernel(m) is None for m in order):
+        return None
+    return [*layers[0], ("lm_head", head)], order
+
+
+def linear_rates(model, turns: int = 15) -> list[dict]:
+    """Effective GB/s of `model`'s linears at batch 1 beside the read probe of the same bytes:
+    one row per linear of layer 0 and the head, then "step linears" (all of them in order, the
+    head last). [] where labkit's kernels do not serve every one of them."""
+    linears = _step_linears(model)
+    if linears is None:
         return []
+    first, order = linears
     with torch.inference_mode():
-        rows = [_row(name, [m], turns) for name, m in [*layers[0], ("lm_head", head)]]
+        rows = [_row(name, [m], turns) for name, m in first]
         rows.append(_row("step linears", order, max(5, turns // 3)))
     rows[-1]["shape"] = f"{len(order)} linears"
     return rows
@@ -133,39 +157,20 @@ def step_read_ratio(model):
     every call, and returns the probe's time over the pass's (1.0: the kernels read their
     weights as fast as this CPU reads bytes and does nothing else). None where labkit's kernels
     do not serve every linear."""
-    if cpu_kernels.kernels() is None:
+    linears = _step_linears(model)
+    if linears is None:
         return None
-    head = model.embed.weight if model.lm_head is None else model.lm_head
-    order = [m for layer in model.layers for name in LAYER_ORDER
-             if (m := getattr(layer, name, None)) is not None] + [head]
-    if any(_kernel(m) is None for m in order):
-        return None
-    calls = [_call(m) for m in order]
-    nbytes = sum(_shape(m)[2] for m in order)
-    probe = cpu_kernels.kernels().read_probe
-    buf = torch.ones(nbytes, dtype=torch.uint8)  # ones: pages really mapped
-    turn = [0]
-
-    def one_pass() -> float:
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            for fn, args in calls:
-                fn(*args)
-        return time.perf_counter() - t0
-
-    def one_read() -> float:
-        t0 = time.perf_counter()
-        probe(buf)
-        return time.perf_counter() - t0
-
-    one_pass(), one_read()  # warm: first touches, the thread pool started
+    with torch.inference_mode():
+        pair = _Pair(linears[1])
+    calls = [0]
 
     def sample() -> float:
-        turn[0] += 1
-        if turn[0] % 2:
-            kern, read = one_pass(), one_read()
-        else:
-            read, kern = one_read(), one_pass()
+        calls[0] += 1
+        with torch.inference_mode():
+            if calls[0] % 2:
+                kern, read = _timed(pair.one_pass), _timed(pair.read)
+            else:
+                read, kern = _timed(pair.read), _timed(pair.one_pass)
         return read / kern
 
     return sample

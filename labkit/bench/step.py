@@ -119,29 +119,19 @@ def _instrument(engine, timers: _Timers) -> Iterator[None]:
         return wrapped[labels[id(lin)]](lin, x) if id(lin) in labels else plain(lin, x)
 
     model_mod.linear = linear
-    model.head = timers.wrap("head", model.head)  # an instance attribute over the method
     try:
-        yield
+        with _timed_head(model, timers):
+            yield
     finally:
         model_mod.linear = plain
-        del model.head
 
 
 @contextlib.contextmanager
-def _timed_head(model, out: dict) -> Iterator[None]:
-    """Add the seconds of every `model.head` call in the block to out["head_s"]: the head timed
-    where the forward runs it, after the layers' weights went through the caches (timed alone,
-    in a loop of its own, its weights stay warm and it runs faster than in a step)."""
-    plain = model.head
-
-    def head(x):
-        t0 = time.perf_counter()
-        try:
-            return plain(x)
-        finally:
-            out["head_s"] = out.get("head_s", 0.0) + time.perf_counter() - t0
-
-    model.head = head  # an instance attribute over the method, removed after the block
+def _timed_head(model, timers: _Timers) -> Iterator[None]:
+    """Time every `model.head` call in the block as the phase "head": the head timed where the
+    forward runs it, after the layers' weights went through the caches (timed alone, in a loop
+    of its own, its weights stay warm and it runs faster than in a step)."""
+    model.head = timers.wrap("head", model.head)  # an instance attribute over the method
     try:
         yield
     finally:
@@ -171,13 +161,15 @@ def forward_split(model, batch: int, context: int, steps: int) -> dict:
                     step()
                     times[name].append(time.perf_counter() - t0)
         kernels, between, share = [], [], []  # each profiled forward against its own kernels
+        head = _Timers()
+        head.on = True
         for _ in range(steps):
-            head: dict = {}
+            head.s.clear()
             with decoder_stack.profiling() as prof, _timed_head(model, head):
                 t0 = time.perf_counter()
                 step()
                 wall = time.perf_counter() - t0
-            inside = prof["kernel_s"] + head["head_s"]  # the layers' kernels, then the head
+            inside = prof["kernel_s"] + head.s["head"]  # the layers' kernels, then the head
             kernels.append(inside)
             between.append(max(wall - inside, 0.0))
             share.append(between[-1] / wall)
