@@ -235,8 +235,13 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
                    quick: bool = False, rounds: int = 1, log: Callable[[str], None] = print,
                    attention: str = "paged", quant: str | None = None,
                    decoder: str = "blocking", kv_tokens: int = 16384,
-                   max_step_tokens: int | None = 512, speculative: str | None = None) -> dict:
-    """labkit against transformers on the same requests; throughput of each and the ratio."""
+                   max_step_tokens: int | None = 512, speculative: str | None = None,
+                   lengths: tuple[int, ...] | None = None) -> dict:
+    """labkit against transformers on the same requests; throughput of each and the ratio.
+
+    `lengths`: the requests' `max_new_tokens`, cycled (default OUTPUT_LENGTHS, or QUICK_LENGTHS
+    with `quick`, which also caps the requests at 8).
+    """
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -259,7 +264,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
         raise ValueError(f"bench generate compares against transformers: --model must be "
                          f"smollm2-135m or a Hugging Face checkpoint directory, got {model!r}")
     pad_id = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else tok.eos_id
-    work = chat_workload(tok, streams, QUICK_LENGTHS if quick else OUTPUT_LENGTHS)
+    work = chat_workload(tok, streams, lengths or (QUICK_LENGTHS if quick else OUTPUT_LENGTHS))
     draft = labkit.SamplingParams(speculative=speculative).draft if speculative else None
     drafts = ({draft[0]: load_model(model, quant=draft[0])[0]}
               if draft and draft[0] != "ngram" else {})
@@ -273,11 +278,12 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
     run_hf(hf, warm, pad_id, "grouped")
     totals = {"labkit": [0.0, 0], "grouped": [0.0, 0], "padded": [0.0, 0]}
     outputs = {}
-    round1 = {}
+    per_round: list[dict[str, float]] = []  # each round's tok/s of each side
     computed = []  # prompt tokens labkit computed per round (the rest shared within it)
     for r in range(rounds):
         # alternate which goes first, so slow drift on a shared machine hits both alike
         order = ("labkit", "grouped", "padded") if r % 2 == 0 else ("padded", "grouped", "labkit")
+        per_round.append({})
         for who in order:
             # a bar per run, on stderr: a run takes up to a minute; the per-token update costs
             # microseconds against steps of tens of milliseconds, on both sides alike
@@ -294,8 +300,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
                     s, n, outs = run_hf(hf, work, pad_id, who, bar.update)
             totals[who][0] += s
             totals[who][1] += n
-            if r == 0:
-                round1[who] = n / s
+            per_round[-1][who] = n / s
             outputs[who] = outs
             log(f"  round {r + 1}: {who:<7} {n} tokens in {s:6.2f} s = {n / s:7.1f} tok/s")
     rate = {who: n / s for who, (s, n) in totals.items()}
@@ -310,7 +315,10 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
         "same_tokens_as_hf": agree, "model": model, "quant": quant or "none",
         "decoder": decoder, "attention": attention, "torch": torch.__version__,
         "speculative": speculative,
-        "round1_ratio": round1["labkit"] / max(round1["grouped"], round1["padded"]),
+        # each round's labkit tok/s over transformers' better batching in that round
+        "round_ratios": [x["labkit"] / max(x["grouped"], x["padded"]) for x in per_round],
+        "round1_ratio": per_round[0]["labkit"] / max(per_round[0]["grouped"],
+                                                     per_round[0]["padded"]),
         "kernel_paths": kernel_paths(m, attention),
         "prompt_tokens": sum(len(ids) for ids, _ in work),
         "labkit_prompt_tokens_computed": computed,
