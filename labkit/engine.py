@@ -39,7 +39,15 @@ from labkit.runner import ModelRunner, StepPlan, contiguous_row_len, max_seq_len
 from labkit.sampling import Drafts, History, SamplingParams, unpack_logprobs
 from labkit.scheduler import RequestError, Row, Scheduler
 from labkit.sequence import FinishReason, Sequence, commit_row
-from labkit.speculative import DraftModel, PromptLookup, Proposal, Proposer, accept_greedy
+from labkit.speculative import (
+    RERANK,
+    DraftModel,
+    PromptLookup,
+    Proposal,
+    Proposer,
+    accept_greedy,
+    exact_head,
+)
 
 TextCallback = Callable[[int, str], None]  # (request index, newly decoded text)
 
@@ -181,16 +189,21 @@ class Engine:
                  max_step_tokens: int | None = 512,
                  batching: str = "continuous", kv_reserve: str = "on_demand",
                  prefix_caching: bool = True, drafts: dict | None = None,
-                 foresee_finishes: bool = False):
+                 draft_rerank: int = RERANK, foresee_finishes: bool = False):
         # attention: "naive", "paged" or "flash" (labkit.attention.BACKENDS); None picks the
         # cache's own ("paged" for the paged pool, "naive" for the contiguous slabs).
         # drafts: speculative decoding's draft models by proposer name ({"int4": the model's
-        # int4 copy}); prompt lookup ("ngram") needs none.
+        # int4 copy}); prompt lookup ("ngram") needs none. draft_rerank: a draft's head's top
+        # candidates per row rescored with this model's own head rows (0: its own head alone;
+        # labkit.speculative.RerankedHead).
         # foresee_finishes: the pipelined loop plans no row after a sequence's last token by
         # length (no zombie row for it, and its place goes to a waiting request one step
         # earlier); off, every finish is found at commit, as in Photon's loop (chapter 07)
         check_engine_settings(kv_tokens=kv_tokens, block_size=block_size, max_seqs=max_seqs,
                               num_adapter_slots=num_adapter_slots)
+        if isinstance(draft_rerank, bool) or not isinstance(draft_rerank, int) or draft_rerank < 0:
+            raise ValueError(f"Engine: draft_rerank must be an integer >= 0 (candidates a draft "
+                             f"rescores with the model's head; 0: none), got {draft_rerank!r}")
         num_blocks = kv_tokens // block_size
         self.model, self.tokenizer = model, tokenizer
         self.stats = EngineStats()
@@ -234,8 +247,14 @@ class Engine:
             if draft.cfg.vocab_size != model.cfg.vocab_size:
                 raise ValueError(f"Engine: the {name} draft's vocabulary ({draft.cfg.vocab_size})"
                                  f" is not the model's ({model.cfg.vocab_size})")
+            # the draft re-ranks its head's best candidates with the model's own head rows,
+            # where the model has them as plain weights of the draft's shape and device
+            head = exact_head(model) if draft_rerank > 0 else None
+            if head is not None and (head.shape != (draft.cfg.vocab_size, draft.cfg.hidden_size)
+                                     or head.device != next(draft.parameters()).device):
+                head = None
             self.proposers[name] = DraftModel(name, draft, num_blocks, block_size, max_seqs,
-                                              attention)
+                                              attention, head=head, rerank=draft_rerank)
         self._proposals: dict[int, Proposal] = {}  # of the step being planned, by request
 
     @property

@@ -27,7 +27,9 @@ Two proposers share one signature, `propose(seqs) -> {request id: Proposal}`:
 - `PromptLookup` ("ngram"): the continuation of the longest earlier n-gram of the context
   that matches its tail; no model at all (summaries and code edits repeat their input);
 - `DraftModel` ("int4", "int8"): a quantized copy of the model drafts k tokens with its own
-  paged KV cache, the same block size and pool size as the target's.
+  paged KV cache, the same block size and pool size as the target's. Its choice among the
+  quantized head's top `RERANK` candidates is made with the target's own head rows
+  (`RerankedHead`): the head is where a quantized copy parts from its model most.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ from labkit.sampling import (
 )
 
 MAX_NGRAM = 8  # prompt lookup tries tails of MAX_NGRAM tokens first, then shorter ones
+# a draft model's logits: the top RERANK of its quantized head's, per row, recomputed with the
+# target's head rows (RerankedHead)
+RERANK = 16
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -138,6 +143,52 @@ class PromptLookup:
         return 0
 
 
+class RerankedHead(torch.nn.Module):
+    """A draft model whose head's top `rerank` logits per row are recomputed with exact rows.
+
+    SmolLM2's GGUF stores every linear of its layers as Q4_1 (4-bit codes, a scale and a minimum
+    per 32 weights) and its embedding, which is also its head, as Q8_0. labkit's int4-g32 finds
+    the layers' own codes again, so an int4 copy's layers compute nearly what the fp32 model's
+    do; its head, quantized from 8 bits to 4, does not, and it is the head that picks the
+    token. So the draft keeps its cheap head (a 4-bit read of 49,152 rows) to find the likely
+    tokens, then scores those few with the target's own head rows (`head`: [V, d], a few
+    hundred dot products): the draft's greedy choice is the target head's choice among them.
+    For a sampled request its distribution q is the softmax of these logits, whatever they
+    are, so the rejection rule stays exact. The target's head is shared, not copied.
+    """
+
+    def __init__(self, model, head: torch.Tensor, rerank: int = RERANK):
+        super().__init__()
+        if head.shape != (model.cfg.vocab_size, model.cfg.hidden_size):
+            raise ValueError(f"RerankedHead: head rows {tuple(head.shape)} do not match the "
+                             f"draft's vocabulary and width ({model.cfg.vocab_size}, "
+                             f"{model.cfg.hidden_size})")
+        self.model, self.cfg = model, model.cfg
+        self.rows = head  # an attribute, not a buffer: the target owns it
+        self.rerank = min(rerank, model.cfg.vocab_size)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn,
+                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The draft's logits [R, V], each row's top `rerank` recomputed with `head`."""
+        x = self.model.hidden(input_ids, positions, attn)  # [T, d], final-normed
+        if logit_rows is not None:
+            x = x[logit_rows]  # [R, d]
+        logits = self.model.head(x)  # [R, V]
+        top = logits.topk(self.rerank, dim=-1).indices  # [R, r]
+        rows = self.rows[top].to(x.dtype)  # [R, r, d]
+        return logits.scatter_(-1, top, torch.bmm(rows, x[:, :, None])[..., 0])
+
+
+def exact_head(model) -> torch.Tensor | None:
+    """A model's head rows [V, d] where they are plain weights (fp32 or bf16: the tied
+    embedding, or an unquantized head); None where the head is quantized."""
+    if model.lm_head is None:
+        return model.embed.weight
+    w = getattr(model.lm_head, "weight", None)
+    return w if isinstance(w, torch.Tensor) and w.is_floating_point() else None
+
+
 @dataclass
 class _DraftState:
     table: list[int]  # the draft pool's pages of this sequence
@@ -148,15 +199,20 @@ class DraftModel:
     """Drafts with a smaller copy of the model (its int4 or int8 quantization), which keeps its
     own paged KV cache: per sequence, the tokens it has computed. Each call catches up on what
     the target committed since (the accepted tokens and the correction: a chunk of a few
-    tokens), then decodes k - 1 more, all sequences batched in each of its k launches."""
+    tokens), then decodes k - 1 more, all sequences batched in each of its k launches.
+
+    `head`: the target's head rows, where they are plain weights (`exact_head`): the draft's
+    logits then come through `RerankedHead` (None: the draft's own head alone)."""
 
     def __init__(self, name: str, model, num_blocks: int, block_size: int, max_seqs: int,
-                 attention: str | None = None):
+                 attention: str | None = None, head: torch.Tensor | None = None,
+                 rerank: int = RERANK):
         self.name = name
         self.model = model
         self.block_size, self.max_seqs = block_size, max_seqs
         self.allocator = BlockAllocator(num_blocks)
-        self.runner = ModelRunner(model, num_blocks, block_size, max_seqs, "paged",
+        runs = model if head is None or rerank < 1 else RerankedHead(model, head, rerank)
+        self.runner = ModelRunner(runs, num_blocks, block_size, max_seqs, "paged",
                                   attention=attention)
         self.vocab_size = model.cfg.vocab_size
         self._state: dict[int, _DraftState] = {}

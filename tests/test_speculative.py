@@ -573,3 +573,83 @@ def test_bench_generate_speculative_flag(capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert said in capsys.readouterr().err
+
+
+# ---- the draft's head: its top candidates rescored with the target's rows --------------------
+
+
+def _int4_copy(model):
+    import copy
+
+    from labkit.quant import quantize_model
+
+    return quantize_model(copy.deepcopy(model), "int4")
+
+
+def test_reranked_head_rescores_only_the_top_candidates_with_the_given_rows(monkeypatch):
+    from labkit.speculative import RerankedHead
+
+    draft = _int4_copy(MODEL)
+    x = torch.randn(3, CFG.hidden_size, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(draft, "hidden", lambda *a, **k: x)  # the draft's final-normed states
+    own = draft.head(x)  # [3, V]: the draft's quantized head
+    exact = x @ MODEL.embed.weight.t()  # the target's (tied) head on the same states
+    wrapped = RerankedHead(draft, MODEL.embed.weight, rerank=8)
+    got = wrapped(None, None, None)
+    top = own.topk(8, dim=-1).indices
+    mask = torch.zeros_like(own, dtype=torch.bool).scatter_(-1, top, True)
+    assert torch.equal(got[~mask], own[~mask])  # the rest: the draft's own logits, untouched
+    torch.testing.assert_close(got[mask], exact[mask])  # the top 8: the target's rows
+    assert not torch.allclose(own[mask], exact[mask])  # (so the rescoring changed something)
+    # logit_rows picks rows before the head, as the model's own forward does
+    picked = wrapped(None, None, None, logit_rows=torch.tensor([2, 0]))
+    torch.testing.assert_close(picked, got[[2, 0]])
+    with pytest.raises(ValueError, match="do not match"):
+        RerankedHead(draft, MODEL.embed.weight[:, :8])
+
+
+def test_exact_head_is_the_plain_rows_or_none():
+    from labkit.speculative import exact_head
+
+    assert exact_head(MODEL) is MODEL.embed.weight  # tied: the embedding is the head
+    assert exact_head(_int4_copy(MODEL)) is None  # a quantized head has no plain rows
+
+
+def test_a_rescored_int4_draft_is_accepted_more_with_the_same_tokens():
+    # a draft's head quantized to 4 bits picks other tokens than the model's; rescoring its
+    # top candidates with the model's rows gives back most of them: counted, not timed
+    draft = _int4_copy(MODEL)
+    prompts = prompts_of([5, 9, 14, 7])
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, speculative="int4:4")
+    plain, _ = run_all(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    accepted = {}
+    for rerank in (0, 16):
+        out, st = run_all(prompts, params, drafts={"int4": draft}, draft_rerank=rerank)
+        assert out == plain, f"rerank {rerank}: speculation changed a greedy token"
+        accepted[rerank] = st.accepted_tokens / st.draft_tokens
+    assert accepted[16] > accepted[0], accepted
+
+
+def test_engine_refuses_a_bad_draft_rerank():
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="draft_rerank"):
+            make_engine(draft_rerank=bad)
+
+
+def test_bench_spec_reports_the_draft_rerank_and_refuses_a_negative_one():
+    import subprocess
+    import sys
+
+    def bench(*extra):
+        return subprocess.run([sys.executable, "-m", "labkit", "bench", "spec", "--model", "tiny",
+                               "--proposers", "int4,ngram", "--k", "2", "--gen-tokens", "8",
+                               "--rounds", "1", "--json", *extra],
+                              capture_output=True, text=True, timeout=300)
+
+    proc = bench("--draft-rerank", "4")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["proposer"], r["draft_rerank"]) for r in rows] == [("int4", 4), ("ngram", 0)]
+    assert all(r["same_tokens"] for r in rows)
+    proc = bench("--draft-rerank", "-1")
+    assert proc.returncode != 0 and "--draft-rerank must be >= 0" in proc.stderr

@@ -16,7 +16,9 @@ speculative in alternating turns (the order reverses each round), on the same en
   alpha measured. The bandwidth cancels: only bytes enter the ratio;
 - `cost_model_speedup`: the same formula with the step times this run measured instead of
   bytes (plain step, draft step, verify step): what the formula says when its inputs are right;
-- `same_tokens`: the speculative answer is token for token the plain one.
+- `same_tokens`: the speculative answer is token for token the plain one;
+- `draft_rerank`: a draft model's head candidates rescored with the target's head rows per
+  row (`--draft-rerank`, labkit.speculative.RerankedHead; 0 for prompt lookup).
 
 `best_k_predicted` and `best_k_found` name the k each proposer's predicted and measured
 speedups peak at. Self-speculation's request is a chat question; prompt lookup's is a
@@ -65,13 +67,15 @@ def roofline_speedup(cfg, alpha: float, k: int, draft_dtype: str | None, context
 
 
 def bench_spec(model_name: str, proposers: list[str], ks: list[int], gen_tokens: int,
-               rounds: int, prompt: str | None, log) -> list[dict]:
+               rounds: int, prompt: str | None, log, draft_rerank: int | None = None
+               ) -> list[dict]:
     """One row per (proposer, k); see the module docstring."""
     import labkit
     from labkit.ceilings import device_name
     from labkit.loading import load_model
-    from labkit.speculative import expected_tokens
+    from labkit.speculative import RERANK, expected_tokens
 
+    draft_rerank = RERANK if draft_rerank is None else draft_rerank
     target, tok = load_model(model_name, fuse=True)
     drafts = {}
     for name in proposers:
@@ -79,7 +83,8 @@ def bench_spec(model_name: str, proposers: list[str], ks: list[int], gen_tokens:
             drafts[name] = load_model(model_name, quant=name)[0]
         elif name != "ngram":
             raise ValueError(f"--proposers: {name!r} is not one of int4, int8, ngram")
-    engine = labkit.Engine(target, tok, max_seqs=1, kv_tokens=4096, drafts=drafts)
+    engine = labkit.Engine(target, tok, max_seqs=1, kv_tokens=4096, drafts=drafts,
+                           draft_rerank=draft_rerank)
     rows = []
     for name in proposers:
         text = prompt or (SUMMARY if name == "ngram" else QUESTION)
@@ -124,7 +129,8 @@ def bench_spec(model_name: str, proposers: list[str], ks: list[int], gen_tokens:
                 "same_tokens": all(s["tokens"] == plain[0]["tokens"] for s in plain + sp),
                 "plain_step_ms": plain_step * 1e3, "draft_step_ms": draft_step * 1e3,
                 "verify_step_ms": verify_step * 1e3, "gen_tokens": gen_tokens,
-                "prompt_tokens": len(ids), "rounds": rounds, "model": model_name,
+                "prompt_tokens": len(ids), "rounds": rounds,
+                "draft_rerank": 0 if name == "ngram" else draft_rerank, "model": model_name,
                 "threads": torch.get_num_threads(), "cpu": device_name(torch.device("cpu")),
                 "cpu_capability": torch.backends.cpu.get_cpu_capability()}
             log(f"{name}:{k}  alpha {alpha:.2f}  {row['tokens_per_step']:.2f} tok/step  "
@@ -155,6 +161,10 @@ def main(argv: list[str]) -> int:
                    help="one prompt for every proposer (default: a question for the drafts, "
                         "a summary of a passage for prompt lookup)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--draft-rerank", type=int, default=None, metavar="N",
+                   help="a draft model's top N candidates per row rescored with the target's "
+                        "head rows (default: labkit.speculative.RERANK; 0: the draft's own "
+                        "head alone)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     args = p.parse_args(argv)
 
@@ -167,11 +177,13 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--k: each k must be in 1..16, got {args.k!r}")
         if args.gen_tokens < 2 or args.rounds < 1 or args.threads < 1:
             raise ValueError("--gen-tokens must be >= 2, --rounds and --threads >= 1")
+        if args.draft_rerank is not None and args.draft_rerank < 0:
+            raise ValueError(f"--draft-rerank must be >= 0, got {args.draft_rerank}")
         torch.set_num_threads(args.threads)
         log = (lambda s: print(s, file=sys.stderr)) if args.json else print
         t0 = time.perf_counter()
         rows = bench_spec(args.model, args.proposers.split(","), ks, args.gen_tokens,
-                          args.rounds, args.prompt, log)
+                          args.rounds, args.prompt, log, args.draft_rerank)
         log(f"measured in {time.perf_counter() - t0:.0f} s")
         return rows
 
@@ -191,3 +203,8 @@ def _table(rows: list[dict]) -> None:
           f"{r['gen_tokens']} tokens a turn, medians over {r['rounds']} rounds; best k "
           + ", ".join(f"{x['proposer']} predicted {x['best_k_predicted']} found "
                       f"{x['best_k_found']}" for x in rows if x['k'] == rows[0]['k']))
+    reranks = {x["draft_rerank"] for x in rows if x["proposer"] != "ngram"}
+    if reranks:
+        (n,) = reranks
+        print("draft models choose with their own head alone" if n == 0 else
+              f"draft models rescore their head's top {n} candidates with the target's head rows")
