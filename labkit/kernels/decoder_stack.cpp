@@ -28,6 +28,15 @@ struct Layer {
   Linear qkv, q, k, v, o, gate_up, gate, up, down;
 };
 
+// A view of `base`'s values (fp32, CPU) that the layer reads while `base` lives: what narrow()
+// and view() give, made without the dispatcher (at batch 1 those ~7 calls a layer, each about
+// a microsecond on caches the weights just swept, were most of what remained between the
+// kernels). `first`: the first element's offset from base's; sizes and strides in elements.
+at::Tensor window(const at::Tensor& base, int64_t first, at::IntArrayRef sizes,
+                  at::IntArrayRef strides) {
+  return at::from_blob(base.data_ptr<float>() + first, sizes, strides, base.options());
+}
+
 }  // namespace
 
 // The layers of one LlamaModel, their weights held by reference (the module's own tensors).
@@ -86,13 +95,19 @@ class DecoderStack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       at::Tensor h = timed([&] { return rms_norm(x, l.input_norm, eps_); });
-      at::Tensor q, k, v;
+      // q, k, v, gate and up may be windows into qkv, qk and gu (not owning their memory):
+      // those three live until the layer's end
+      at::Tensor q, k, v, qkv, qk, gu;
       if (l.qkv.kind >= 0) {  // fused: one call, and one RoPE for q and k together
-        at::Tensor qkv = linear(l.qkv, h).view({t, H_ + 2 * Hkv_, D_});
-        at::Tensor qk = timed([&] { return rope(qkv.narrow(1, 0, H_ + Hkv_), cos, sin); });
-        q = qk.narrow(1, 0, H_);
-        k = qk.narrow(1, H_, Hkv_);
-        v = qkv.narrow(1, H_ + Hkv_, Hkv_);
+        qkv = linear(l.qkv, h);  // [t, (H + 2 Hkv) D]: rows of q | k | v heads
+        const int64_t row = (H_ + 2 * Hkv_) * D_;
+        qk = timed([&] {
+          return rope(window(qkv, 0, {t, H_ + Hkv_, D_}, {row, D_, 1}), cos, sin);
+        });  // [t, H + Hkv, D], contiguous
+        const int64_t qk_row = (H_ + Hkv_) * D_;
+        q = window(qk, 0, {t, H_, D_}, {qk_row, D_, 1});
+        k = window(qk, H_ * D_, {t, Hkv_, D_}, {qk_row, D_, 1});
+        v = window(qkv, (H_ + Hkv_) * D_, {t, Hkv_, D_}, {row, D_, 1});
       } else {
         q = linear(l.q, h).view({t, H_, D_});
         k = linear(l.k, h).view({t, Hkv_, D_});
@@ -108,14 +123,14 @@ class DecoderStack {
                                      block_tables, block_size, tile, q_index, query_lens,
                                      positions, scale);
       });
-      at::Tensor proj = linear(l.o, o.reshape({t, H_ * D_}));
+      at::Tensor proj = linear(l.o, window(o, 0, {t, H_ * D_}, {H_ * D_, 1}));  // o: contiguous
       x = timed([&] { return x + proj; });  // a new x: the embedding is not ours to change
       h = timed([&] { return rms_norm(x, l.post_norm, eps_); });
       at::Tensor gate, up;
       if (l.gate_up.kind >= 0) {
-        at::Tensor gu = linear(l.gate_up, h);  // [T, 2F]: two slices
-        gate = gu.narrow(1, 0, F_);
-        up = gu.narrow(1, F_, F_);
+        gu = linear(l.gate_up, h);  // [T, 2F]: two slices
+        gate = window(gu, 0, {t, F_}, {2 * F_, 1});
+        up = window(gu, F_, {t, F_}, {2 * F_, 1});
       } else {
         gate = linear(l.gate, h);
         up = linear(l.up, h);
