@@ -247,12 +247,8 @@ class Engine:
             if draft.cfg.vocab_size != model.cfg.vocab_size:
                 raise ValueError(f"Engine: the {name} draft's vocabulary ({draft.cfg.vocab_size})"
                                  f" is not the model's ({model.cfg.vocab_size})")
-            # the draft re-ranks its head's best candidates with the model's own head rows,
-            # where the model has them as plain weights of the draft's shape and device
-            head = exact_head(model) if draft_rerank > 0 else None
-            if head is not None and (head.shape != (draft.cfg.vocab_size, draft.cfg.hidden_size)
-                                     or head.device != next(draft.parameters()).device):
-                head = None
+            # the draft rescores its head's best candidates with the model's own head rows
+            head = exact_head(model, draft) if draft_rerank > 0 else None
             self.proposers[name] = DraftModel(name, draft, num_blocks, block_size, max_seqs,
                                               attention, head=head, rerank=draft_rerank)
         self._proposals: dict[int, Proposal] = {}  # of the step being planned, by request

@@ -180,13 +180,15 @@ class RerankedHead(torch.nn.Module):
         return logits.scatter_(-1, top, torch.bmm(rows, x[:, :, None])[..., 0])
 
 
-def exact_head(model) -> torch.Tensor | None:
-    """A model's head rows [V, d] where they are plain weights (fp32 or bf16: the tied
-    embedding, or an unquantized head); None where the head is quantized."""
-    if model.lm_head is None:
-        return model.embed.weight
-    w = getattr(model.lm_head, "weight", None)
-    return w if isinstance(w, torch.Tensor) and w.is_floating_point() else None
+def exact_head(model, draft) -> torch.Tensor | None:
+    """`model`'s head rows [V, d] for `draft`'s RerankedHead: where they are plain weights (the
+    tied embedding, or an unquantized head) of the draft's shape, on its device; else None (a
+    quantized head, another width)."""
+    w = model.embed.weight if model.lm_head is None else getattr(model.lm_head, "weight", None)
+    fits = (isinstance(w, torch.Tensor) and w.is_floating_point()
+            and w.shape == (draft.cfg.vocab_size, draft.cfg.hidden_size)
+            and w.device == next(draft.parameters()).device)
+    return w if fits else None
 
 
 @dataclass

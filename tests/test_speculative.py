@@ -611,8 +611,11 @@ def test_reranked_head_rescores_only_the_top_candidates_with_the_given_rows(monk
 def test_exact_head_is_the_plain_rows_or_none():
     from labkit.speculative import exact_head
 
-    assert exact_head(MODEL) is MODEL.embed.weight  # tied: the embedding is the head
-    assert exact_head(_int4_copy(MODEL)) is None  # a quantized head has no plain rows
+    draft = _int4_copy(MODEL)
+    assert exact_head(MODEL, draft) is MODEL.embed.weight  # tied: the embedding is the head
+    assert exact_head(draft, MODEL) is None  # a quantized head has no plain rows
+    wider = init_random(LlamaModel(ModelConfig.tiny(vocab_size=CFG.vocab_size * 2)).eval())
+    assert exact_head(MODEL, wider) is None  # rows of another shape do not serve
 
 
 def test_a_rescored_int4_draft_is_accepted_more_with_the_same_tokens():

@@ -304,6 +304,8 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
             outputs[who] = outs
             log(f"  round {r + 1}: {who:<7} {n} tokens in {s:6.2f} s = {n / s:7.1f} tok/s")
     rate = {who: n / s for who, (s, n) in totals.items()}
+    # each round's labkit tok/s over transformers' better batching in that round
+    round_ratios = [x["labkit"] / max(x["grouped"], x["padded"]) for x in per_round]
     hf_best = max(("grouped", "padded"), key=rate.get)
     agree = sum(_agree_until_eos(a, b, tok.eos_id)
                 for a, b in zip(outputs["labkit"], outputs["grouped"]))
@@ -315,10 +317,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
         "same_tokens_as_hf": agree, "model": model, "quant": quant or "none",
         "decoder": decoder, "attention": attention, "torch": torch.__version__,
         "speculative": speculative,
-        # each round's labkit tok/s over transformers' better batching in that round
-        "round_ratios": [x["labkit"] / max(x["grouped"], x["padded"]) for x in per_round],
-        "round1_ratio": per_round[0]["labkit"] / max(per_round[0]["grouped"],
-                                                     per_round[0]["padded"]),
+        "round_ratios": round_ratios, "round1_ratio": round_ratios[0],
         "kernel_paths": kernel_paths(m, attention),
         "prompt_tokens": sum(len(ids) for ids, _ in work),
         "labkit_prompt_tokens_computed": computed,
