@@ -29,22 +29,60 @@ def _int8_linear(n=200, k=100, bias=False, seed=0):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 33])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_int8_kernel_equals_the_dequantized_reference(rows, bias):
-    lin = _int8_linear(bias=bias)  # K = 100: 12 lanes of 8 and a tail of 4; N = 200: 66 x 3 + 2
+@pytest.mark.parametrize("k", [100, 576])
+def test_the_int8_kernel_equals_the_dequantized_reference(rows, bias, k):
+    # K = 100: a block of 64 (or 12 lanes of 8) and a tail of 36 (4); N = 200: 33 x 6 + 2,
+    # 66 x 3 + 2
+    lin = _int8_linear(k=k, bias=bias)
     x = torch.randn(rows, lin.in_features, generator=torch.Generator().manual_seed(1))
-    want = lin.reference(x)  # fp32 matmul of the dequantized weight
+    int16 = built.has_int8_dot()  # x held as int16 (AVX512-VNNI), else fp32 as it is
+    xk = cpu_kernels.int8_x_as_int16(x) if int16 else x
     got = lin(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # only the order of the sums
+    # only the order of the sums: the fp32 matmul of the dequantized weight, on the x it used
+    torch.testing.assert_close(got, lin.reference(xk), rtol=2e-6, atol=2e-6)
+    # and within the int16 rounding's bound of the reference on x itself: each value moved at
+    # most its block's amax / 65534, times the weights it meets
+    moved = (xk - x).abs()
+    amax = torch.cat([x[:, k0:k0 + 64].abs().amax(-1, keepdim=True).expand(-1, min(64, k - k0))
+                      for k0 in range(0, k, 64)], dim=1)
+    assert (moved <= amax / 65534 * 1.01).all()  # (and the fp32 rounding of code x scale)
+    bound = moved @ lin.dequantized().abs().t() + 1e-5
+    assert ((got - lin.reference(x)).abs() <= bound).all()
     assert lin(x[None]).shape == (1, rows, lin.out_features)  # leading dims kept
 
 
 @needs_kernel
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+def test_the_int8_kernels_x_rounding_is_tested_by_a_wrong_one():
+    # the reference rounding must be the kernel's: one level coarser (15-bit codes) is caught
+    if not built.has_int8_dot():
+        pytest.skip("this build multiplies x as fp32 (no AVX512-VNNI): nothing is rounded")
+    lin = _int8_linear(k=576)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(7))
+    coarse = torch.cat([torch.round(x[:, k0:k0 + 64] * (16383 / m)) * (m / 16383) for k0 in
+                        range(0, 576, 64) for m in [x[:, k0:k0 + 64].abs().amax(-1, True)]], 1)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(lin(x), lin.reference(coarse), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lin(x), lin.reference(cpu_kernels.int8_x_as_int16(x)),
+                               rtol=2e-6, atol=2e-6)
+
+
+@needs_kernel
+def test_a_nan_in_x_reaches_the_int8_kernels_outputs():
+    lin = _int8_linear(k=576)
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(8))
+    x[1, 100] = float("nan")
+    y = lin(x)
+    assert y[1].isnan().all() and not y[0].isnan().any()  # row 0 untouched by row 1's NaN
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [100, 576])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(k):
     # the pipelined decoder's zombie rows change how many rows a step has: each row's output
-    # must be bit-identical whatever the count (each tile shape 4x3 .. 1x1 is exercised)
-    lin = _int8_linear(n=8, k=100)  # blocks of 3, 3 and 2 weight rows
+    # must be bit-identical whatever the count (each tile shape is exercised)
+    lin = _int8_linear(n=8, k=k)  # blocks of 6 and 2, or of 3, 3 and 2 weight rows
     x = torch.randn(11, lin.in_features, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([lin(x[i:i + 1]) for i in range(11)])
     for m in (2, 3, 4, 5, 11):

@@ -8,6 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "y = x W^T, W int4 codes with a scale and zero per group");
   m.def("int4_linear_bf16", &int4_linear_bf16, "int4_linear on a bf16 dot product");
   m.def("has_bf16_dot", &has_bf16_dot, "whether this build has int4_linear_bf16");
+  m.def("has_int8_dot", &has_int8_dot, "whether int8_linear holds x as int16 (AVX512-VNNI)");
   m.def("paged_attention", &paged_attention, "attention over the KV pool, read in place");
   m.def("flash_attention", &flash_attention,
         "attention over the KV pool a tile of pages at a time, online softmax, split-K decode");

@@ -12,6 +12,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s);
 at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz);
 at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz);
 bool has_bf16_dot();
+bool has_int8_dot();
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
                            at::Tensor write_slots, at::Tensor k, at::Tensor v, at::Tensor slots,
                            at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,

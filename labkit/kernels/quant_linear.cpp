@@ -1,8 +1,9 @@
 // The linears labkit computes itself, y = x W^T: fp32_linear (fp32 weights, a few rows), and
-// with W stored in fewer bits int8_linear (int8 codes, one fp32 scale per output row),
-// int4_linear (4-bit codes, a bf16 scale and zero per group of K) and int4_linear_bf16 (the
-// same on a bf16 dot product, AVX512-BF16 CPUs). int4_linear's many-
-// row path reuses int8_linear's fp32 tiles on codes it dequantized into an L1 buffer.
+// with W stored in fewer bits int8_linear (int8 codes, one fp32 scale per output row; on an
+// integer dot product with x held as int16 where the CPU has AVX512-VNNI), int4_linear (4-bit
+// codes, a bf16 scale and zero per group of K) and int4_linear_bf16 (the same on a bf16 dot
+// product, AVX512-BF16 CPUs). int4_linear's many-row path reuses the fp32 tiles on codes it
+// dequantized into an L1 buffer.
 #include "lanes.h"
 
 // Where a kernel asks for the weights it reads next: into L2 (locality 2, prefetcht1), not L1.
@@ -11,6 +12,38 @@
 // 0.55-0.63x the probe's rate, into L2 at 0.73-0.82x (likely: a prefetch into L1 holds one of
 // the core's few line-fill buffers until its line arrives, and the kernel's loads queue behind).
 #define LK_LOC 2
+
+// When (fp32_linear, and int8_linear on its integer dot product): a thread multiplying one
+// block of weight rows asks for the block two ahead of it, spread through the block's loop,
+// each step asking for as many bytes of that block as it reads of its own, so requests flow
+// at the rate of the reads; the block after its first it asks for whole as it starts.
+// Measured (a SmolLM2 step's linears, alternating in one process beside the read probe over
+// the same tensors): fp32 at 1 row 1.26-1.29x faster than asking for the next block whole at
+// each block's start (0.67-0.73x the probe's rate -> 0.86-0.92x), at 4 rows 1.51x (0.96x);
+// int8 on its dot product 1.28-1.33x at 1-2 rows where the whole next block gave 1.08-1.11x.
+// A kernel bound by its arithmetic rather than by the memory (int8 turning codes into fp32,
+// int4 on bf16) measured 0.86-0.98x spread two ahead: its inner loop pays the requests, and it
+// keeps asking one block ahead.
+struct Ahead {
+  const char* p = nullptr;  // the block two ahead (nothing near a thread's end)
+  int64_t per = 0;          // its bytes per unit of this block's loop (a k, or a row)
+  inline void at(int64_t u0, int64_t u1) const {
+    if (p)
+      for (int64_t o = u0 * per; o < u1 * per; o += 64) __builtin_prefetch(p + o, 0, LK_LOC);
+  }
+};
+
+static inline void prefetch_bytes(const char* p, int64_t n) {
+  for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, LK_LOC);
+}
+
+// block b of a thread's run [b0, b1) of blocks of `bytes` bytes from `base`: what it asks for
+static inline Ahead ahead(const void* base, int64_t bytes, int64_t b, int64_t b0, int64_t b1,
+                          int64_t per) {
+  const char* c = static_cast<const char*>(base);
+  if (b == b0 && b + 1 < b1) prefetch_bytes(c + (b + 1) * bytes, bytes);
+  return b + 2 < b1 ? Ahead{c + (b + 2) * bytes, per} : Ahead{};
+}
 
 // ---- int8 ----
 
@@ -26,15 +59,17 @@ static inline __m256 load8(const int8_t* w) {
 // RM rows of x against RN weight rows (fp32 values, or int8 codes W): out[i][j] = sum_k
 // x[i][k] * w[j][k]. Every output: one accumulator, k ascending by 8, a fixed lane reduction,
 // then the tail; whatever W and the tile shape, the same operations on the same values.
+// (pf: the weights it asks for ahead, Ahead's units being k)
 template <int RM, int RN, class W>
 static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y,
-                        int64_t ldy) {
+                        int64_t ldy, const Ahead& pf = Ahead()) {
   const int64_t K8 = K - K % 8;
 #ifdef __AVX2__
   __m256 acc[RM][RN];
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K8; k += 8) {
+    pf.at(k, k + 8);
     __m256 wv[RN];
     for (int j = 0; j < RN; ++j) wv[j] = load8(w + j * K + k);
     for (int i = 0; i < RM; ++i) {
@@ -49,6 +84,7 @@ static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, floa
       y[i * ldy + j] = s;
     }
 #else
+  pf.at(0, K);
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) {
       float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -63,18 +99,173 @@ static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, floa
 
 // every row of x against RN weight rows, in tiles of RMAX rows of x and what is left (int8's
 // codes: up to 4 x 3; fp32_linear: up to 3 x 6, 18 accumulators, 6 weights and an x in
-// registers, the weight rows found in L1 by every tile after the first)
+// registers, the weight rows found in L1 by every tile after the first, which asks for pf)
 template <int RN, int RMAX = 4, class W>
-static void rows(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N) {
+static void rows(const float* x, int64_t M, int64_t K, const W* w, float* y, int64_t N,
+                 const Ahead& pf = Ahead()) {
   int64_t m = 0;
-  for (; m + RMAX <= M; m += RMAX) tile<RMAX, RN>(x + m * K, K, w, K, y + m * N, N);
+  for (; m + RMAX <= M; m += RMAX)
+    tile<RMAX, RN>(x + m * K, K, w, K, y + m * N, N, m == 0 ? pf : Ahead());
+  const Ahead& rest = m == 0 ? pf : Ahead();
   switch (M - m) {
-    case 3: if constexpr (RMAX > 3) tile<3, RN>(x + m * K, K, w, K, y + m * N, N); break;
-    case 2: tile<2, RN>(x + m * K, K, w, K, y + m * N, N); break;
-    case 1: tile<1, RN>(x + m * K, K, w, K, y + m * N, N); break;
+    case 3: if constexpr (RMAX > 3) tile<3, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
+    case 2: tile<2, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
+    case 1: tile<1, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
     default: break;
   }
 }
+
+// ---- int8 on an integer dot product (AVX512-VNNI CPUs: the build for them defines it) ----
+// Turning int8 codes into fp32 costs two vector ops per 8 weights before their multiply-add:
+// with its weights in cache the fp32 path below multiplies 18-22 GB/s of codes on this
+// course's 2 cores, no faster than memory delivers them, so it can never read faster. Here x
+// is held as int16 instead: each block of 64 of a row's values gets one fp32 scale (its largest
+// |x| / 32767) and each value the nearest of those levels (within amax / 65534 of its own:
+// finer than bf16's rounding, which int4_linear_bf16 and torch's kernels make). One vpmovsxbw
+// widens 32 codes to int16 and one vpdpwssd does 32 multiply-adds into int32 lanes, exactly:
+// in cache 34-63 GB/s, 2-3x the fp32 path. y[m, n] = s[n] * (sum_b xs[m, b] * sum_{k in b}
+// xq[m, k] q[n, k]): each block's integer sum, made fp32 and scaled, multiply-added into
+// fp32 lanes, blocks in order, the lanes reduced in sum8's order, the last short block (K %
+// 64) after them. Integer sums are exact in any order, so every tile shape gives every output
+// the same bits: batch-invariant.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+static constexpr bool kInt8Dot = true;
+static constexpr int64_t kXBlock = 64;
+
+// a row of x as int16 codes q [K] and one scale a block s [ceil(K / 64)] (a NaN in a block
+// makes its scale NaN, so the outputs it reaches are NaN, as an fp32 product's would be)
+static void x_to_int16(const float* x, int64_t K, int16_t* q, float* s) {
+  const int64_t KB = K - K % kXBlock;
+  for (int64_t k0 = 0; k0 < KB; k0 += kXBlock) {
+    __m512 v[4];
+    __m512 m = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int u = 0; u < 4; ++u) {
+      v[u] = _mm512_loadu_ps(x + k0 + 16 * u);
+      m = _mm512_max_ps(m, _mm512_abs_ps(v[u]));
+      nan |= _mm512_cmp_ps_mask(v[u], v[u], _CMP_UNORD_Q);
+    }
+    const float amax = nan ? NAN : _mm512_reduce_max_ps(m);
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    s[k0 / kXBlock] = amax / 32767.f;
+    for (int u = 0; u < 4; ++u)  // rounded to nearest, ties to even (as std::nearbyint)
+      _mm256_storeu_si256(
+          reinterpret_cast<__m256i*>(q + k0 + 16 * u),
+          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v[u], _mm512_set1_ps(inv)))));
+  }
+  if (KB < K) {
+    float amax = 0.f;
+    for (int64_t k = KB; k < K; ++k) amax = std::isnan(x[k]) ? NAN : std::max(amax, std::fabs(x[k]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    s[KB / kXBlock] = amax / 32767.f;
+    for (int64_t k = KB; k < K; ++k)
+      q[k] = (int16_t)std::max(-32768.f, std::min(32767.f, std::nearbyint(x[k] * inv)));
+  }
+}
+
+// RM rows of x (int16 codes xq, block scales xs, K values a row) against RN code rows
+template <int RM, int RN>
+static inline void tile_i16(const int16_t* xq, const float* xs, int64_t K, const int8_t* w,
+                            float* y, int64_t ldy, const Ahead& pf) {
+  const int64_t KB = K - K % kXBlock, nb = (K + kXBlock - 1) / kXBlock;
+  __m512 acc[RM][RN];
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < KB; k0 += kXBlock) {
+    pf.at(k0, k0 + kXBlock);
+    __m512i d[RM][RN];
+    for (int i = 0; i < RM; ++i)
+      for (int j = 0; j < RN; ++j) d[i][j] = _mm512_setzero_si512();
+    for (int64_t h = 0; h < kXBlock; h += 32) {
+      __m512i wv[RN];
+      for (int j = 0; j < RN; ++j)
+        wv[j] = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * K + k0 + h)));
+      for (int i = 0; i < RM; ++i) {
+        const __m512i xv = _mm512_loadu_si512(xq + i * K + k0 + h);
+        for (int j = 0; j < RN; ++j) d[i][j] = _mm512_dpwssd_epi32(d[i][j], xv, wv[j]);
+      }
+    }
+    for (int i = 0; i < RM; ++i) {
+      const __m512 sc = _mm512_set1_ps(xs[i * nb + k0 / kXBlock]);
+      for (int j = 0; j < RN; ++j)
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[i][j]), sc, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int j = 0; j < RN; ++j) {
+      alignas(64) float l[16];
+      _mm512_store_ps(l, acc[i][j]);
+      float t = sum8(l) + sum8(l + 8);
+      if (KB < K) {
+        int32_t d = 0;
+        for (int64_t k = KB; k < K; ++k) d += (int32_t)xq[i * K + k] * (int32_t)w[j * K + k];
+        t += (float)d * xs[i * nb + KB / kXBlock];
+      }
+      y[i * ldy + j] = t;
+    }
+}
+
+// every row of x against RN code rows, in tiles of RMAX rows (the first asks for pf)
+template <int RN, int RMAX>
+static void rows_i16(const int16_t* xq, const float* xs, int64_t M, int64_t K, const int8_t* w,
+                     float* y, int64_t N, const Ahead& pf) {
+  const int64_t nb = (K + kXBlock - 1) / kXBlock;
+  int64_t m = 0;
+  for (; m + RMAX <= M; m += RMAX)
+    tile_i16<RMAX, RN>(xq + m * K, xs + m * nb, K, w, y + m * N, N, m ? Ahead() : pf);
+  const Ahead& rest = m == 0 ? pf : Ahead();
+  switch (M - m) {
+    case 3: if constexpr (RMAX > 3) tile_i16<3, RN>(xq + m * K, xs + m * nb, K, w, y + m * N, N, rest); break;
+    case 2: if constexpr (RMAX > 2) tile_i16<2, RN>(xq + m * K, xs + m * nb, K, w, y + m * N, N, rest); break;
+    case 1: if constexpr (RMAX > 1) tile_i16<1, RN>(xq + m * K, xs + m * nb, K, w, y + m * N, N, rest); break;
+    default: break;
+  }
+}
+
+// y [M, N] = x [M, K] (fp32, contiguous) times int8 codes q [N, K] and per-row scales s [N]:
+// x made int16 once per call; one or two rows of x take 6 code rows at a time (12 or 24
+// sums in flight), more take 3 in tiles of up to 4 x 3 (the code rows found in L1 by every
+// tile after the first); each row's scale applied once, to the finished sum.
+at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.size(1) == K && s.numel() == N && q.is_contiguous() && x.is_contiguous(),
+              "int8_linear: x [M, K], q [N, K], s [N]");
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t nb = (K + kXBlock - 1) / kXBlock;
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M * nb);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) x_to_int16(xp + m * K, K, xq.data() + m * K, xs.data() + m * nb);
+  });
+  const int16_t* xqp = xq.data();
+  const float* xsp = xs.data();
+  const int64_t RN = M <= 2 ? 6 : 3;
+  const int64_t nblocks = (N + RN - 1) / RN;
+  at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
+      const Ahead pf = ahead(qp, RN * K, b, b0, b1, RN);  // units of k: RN bytes
+      if (rn == 6) {
+        rows_i16<6, 2>(xqp, xsp, M, K, qp + n0 * K, yp + n0, N, pf);
+      } else if (rn == 3) {
+        rows_i16<3, 4>(xqp, xsp, M, K, qp + n0 * K, yp + n0, N, pf);
+      } else {
+        for (int64_t j = 0; j < rn; ++j)
+          rows_i16<1, 4>(xqp, xsp, M, K, qp + (n0 + j) * K, yp + n0 + j, N, Ahead());
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < rn; ++j) yp[m * N + n0 + j] *= sp[n0 + j];
+    }
+  });
+  return y;
+}
+#else
+static constexpr bool kInt8Dot = false;
 
 // y [M, N] = x [M, K] (fp32, contiguous) times int8 codes q [N, K] and per-row scales s [N]:
 // y[m, n] = (sum_k x[m, k] q[n, k]) * s[n], the scale once per output, not once per weight.
@@ -97,11 +288,10 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
     std::vector<float> w(M < 4 ? 0 : RN * K);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
-      if (b + 1 < b1) {  // ask for this thread's next block now: its rows arrive while
-        // this one is multiplied (measured, a SmolLM2 int8 step at batch 1: 1.27x faster)
-        const char* next = reinterpret_cast<const char*>(qp + (n0 + RN) * K);
-        for (int64_t off = 0; off < RN * K; off += 64)
-          __builtin_prefetch(next + off, 0, LK_LOC);
+      if (b + 1 < b1) {  // ask for this thread's next block now: its rows arrive while this
+        // one is multiplied (1.27x faster here; this path is bound by its arithmetic, where
+        // Ahead's spread requests measured 0.86-0.95x: instructions in its inner loop)
+        prefetch_bytes(reinterpret_cast<const char*>(qp + (n0 + RN) * K), RN * K);
       }
       if (M < 4 && rn == 6) {
         rows<6>(xp, M, K, qp + n0 * K, yp + n0, N);
@@ -126,6 +316,10 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
   return y;
 }
 
+#endif
+
+bool has_int8_dot() { return kInt8Dot; }
+
 // ---- fp32, few rows ----
 
 #ifdef __AVX512F__
@@ -144,11 +338,12 @@ static inline float sum16(__m512 v) {
 // arithmetic that got faster).
 template <int RM, int RN>
 static inline void tile16(const float* x, int64_t ldx, const float* w, int64_t K, float* y,
-                          int64_t ldy) {
+                          int64_t ldy, const Ahead& pf) {
   __m512 acc[RM][RN];
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
+    pf.at(k, k + 16);
     __m512 wv[RN];
     for (int j = 0; j < RN; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
     for (int i = 0; i < RM; ++i) {
@@ -163,20 +358,23 @@ static inline void tile16(const float* x, int64_t ldx, const float* w, int64_t K
 // every row of x against RN weight rows in tiles of up to 4 rows of x (RN = 6: 24
 // accumulators, 6 weights and an x: 31 of the 32 vector registers)
 template <int RN>
-static void rows16(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
+static void rows16(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N,
+                   const Ahead& pf = Ahead()) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile16<4, RN>(x + m * K, K, w, K, y + m * N, N);
+  for (; m + 4 <= M; m += 4) tile16<4, RN>(x + m * K, K, w, K, y + m * N, N, m ? Ahead() : pf);
+  const Ahead& rest = m == 0 ? pf : Ahead();
   switch (M - m) {
-    case 3: tile16<3, RN>(x + m * K, K, w, K, y + m * N, N); break;
-    case 2: tile16<2, RN>(x + m * K, K, w, K, y + m * N, N); break;
-    case 1: tile16<1, RN>(x + m * K, K, w, K, y + m * N, N); break;
+    case 3: tile16<3, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
+    case 2: tile16<2, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
+    case 1: tile16<1, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
     default: break;
   }
 }
 static constexpr bool kLanes16 = true;
 #else
 template <int RN>
-static void rows16(const float*, int64_t, int64_t, const float*, float*, int64_t) {}
+static void rows16(const float*, int64_t, int64_t, const float*, float*, int64_t,
+                   const Ahead& = Ahead()) {}
 static constexpr bool kLanes16 = false;
 #endif
 
@@ -208,17 +406,13 @@ at::Tensor fp32_linear(at::Tensor x, at::Tensor w) {
   at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
-      if (b + 1 < b1) {  // this thread's next block, asked for while this one is multiplied
-        const char* next = reinterpret_cast<const char*>(wp + (n0 + RN) * K);
-        for (int64_t off = 0; off < RN * K * 4; off += 64)
-          __builtin_prefetch(next + off, 0, LK_LOC);
-      }
+      const Ahead pf = ahead(wp, RN * K * 4, b, b0, b1, RN * 4);  // units of k: 6 fp32s
       if (lanes16 && rn == 6) {
-        rows16<6>(xp, M, K, wp + n0 * K, yp + n0, N);
+        rows16<6>(xp, M, K, wp + n0 * K, yp + n0, N, pf);
       } else if (lanes16) {
         for (int64_t j = 0; j < rn; ++j) rows16<1>(xp, M, K, wp + (n0 + j) * K, yp + n0 + j, N);
       } else if (rn == 6) {
-        rows<6, 3>(xp, M, K, wp + n0 * K, yp + n0, N);
+        rows<6, 3>(xp, M, K, wp + n0 * K, yp + n0, N, pf);
       } else {
         for (int64_t j = 0; j < rn; ++j) rows<1, 3>(xp, M, K, wp + (n0 + j) * K, yp + n0 + j, N);
       }
