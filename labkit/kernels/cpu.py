@@ -74,8 +74,9 @@ its step. In int8_linear and int4_linear each output y[m, n] gets its own accumu
 summed over k in ascending steps of 8 lanes, reduced across lanes in one fixed order, then its
 tail added, whatever the tile shape and whether the weights came from registers or the L1
 buffer (int8 on its integer dot product: each block's integer sum is exact in any order, and
-the blocks are scaled and added in one order). In paged_attention and flash_attention each (token, KV head) runs the same code
-alone, and flash_attention folds a token's tiles in one order whichever thread computed them.
+the blocks are scaled and added in one order). In paged_attention and flash_attention each
+(token, KV head) runs the same code alone, and flash_attention folds a token's tiles in one
+order whichever thread computed them.
 The engine's claims need this (int4_linear_bf16: each output's group sums, then its scaled
 total, in one order for every row count): the pipelined decoder's zombie rows change a step's
 row count, chunked prefill changes which tokens share a step, and the tokens must not change.
