@@ -65,9 +65,15 @@ def test_a_step_reports_its_linears_read_rate_beside_the_probe(quant, capsys):
         assert abs(r["over_probe"] - r["probe_us"] / r["us"]) <= 1e-6 * r["over_probe"], r
     head = rates[names.index("lm_head")]
     assert head["shape"] == "8192x64"  # the tiny model's vocabulary by its hidden size
+    # the whole forward against its floor: the probe over the step's weight bytes
+    floor = rows[0]["forward_floor"]
+    assert "forward_floor" not in rows[1] and floor["bytes"] == step["bytes"]
+    assert floor["forward_ms"] > 0 and floor["floor_ms"] > 0 and floor["context"] == 8
+    assert floor["over_floor"] > 0
     bench_step._table(rows)  # the people's table prints the same rows
     out = capsys.readouterr().out
     assert "read probe" in out and "step linears" in out and "kernel/probe" in out
+    assert "x its floor" in out
 
 
 def test_the_step_read_ratio_sampler_gives_the_probe_over_a_pass(monkeypatch):

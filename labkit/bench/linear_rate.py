@@ -10,11 +10,12 @@ at the cache's rate, one that does not at memory's, for the probe as for the ker
 A quantized linear runs its labkit kernel (int8, int4); an fp32 one (and a tied head, the
 embedding matrix) runs `fp32_linear`, labkit's kernel for steps of a few rows.
 
-Two views, each timed in alternating turns with the probe (medians of the turns):
+Three views, each timed in alternating turns with the probe (medians of the turns):
 - per shape: layer 0's linears and the head, each called again and again on one row of x
   (its bytes stay in cache between calls, as the probe's do);
 - a step's linears: every layer's, then the head, in the model's order (a whole model's bytes,
-  read as a step reads them), against one probe buffer of their total size.
+  read as a step reads them), against one probe buffer of their total size;
+- the whole bare forward against the probe over those bytes: its memory floor (`forward_floor`).
 Both call the kernel itself (`_kernel`: the one that serves the linear), not the module: the
 module adds a few microseconds of Python a call, which the step's phase table counts.
 """
@@ -149,6 +150,32 @@ def linear_rates(model, turns: int = 15) -> list[dict]:
         rows.append(_row("step linears", order, max(5, turns // 3)))
     rows[-1]["shape"] = f"{len(order)} linears"
     return rows
+
+
+def forward_floor(model, context: int, turns: int = 15) -> dict | None:
+    """The whole bare forward at batch 1 (`decode_step`, `context` tokens of KV) against its
+    memory floor: the probe reading the bytes of every linear's weights and the head, what a
+    decode step must read whatever engine runs it (the KV rows it also reads are left out).
+    Alternating turns; `over_floor` is the median of each turn's forward over its probe read.
+    None where labkit's kernels do not serve every linear."""
+    linears = _step_linears(model)
+    if linears is None:
+        return None
+    from labkit.bench.quant import decode_step
+
+    step = decode_step(model, 1, context)
+    with torch.inference_mode():
+        pair = _Pair(linears[1])
+        step()
+        fwd, read = [], []
+        for i in range(turns):
+            for f, acc in ((step, fwd), (pair.read, read)) if i % 2 == 0 else (
+                    (pair.read, read), (step, fwd)):
+                acc.append(_timed(f))
+    return {"forward_ms": statistics.median(fwd) * 1e3,
+            "floor_ms": statistics.median(read) * 1e3, "bytes": pair.nbytes,
+            "over_floor": statistics.median(f / r for f, r in zip(fwd, read)),
+            "context": context, "threads": torch.get_num_threads()}
 
 
 def step_read_ratio(model):

@@ -246,7 +246,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import torch
 
-    from labkit.bench.linear_rate import linear_rates
+    from labkit.bench.linear_rate import forward_floor, linear_rates
     from labkit.loading import load_model
 
     log(f"bench step: model {args.model} (quant {args.quant}), context {args.context}, "
@@ -260,6 +260,8 @@ def main(argv: list[str]) -> int:
             if b == 1:  # the kernels' read rate at batch 1
                 log("  linears at batch 1 against the read probe ...")
                 rows[-1]["linear_rates"] = linear_rates(model, turns=max(3, args.steps))
+                rows[-1]["forward_floor"] = forward_floor(model, args.context,
+                                                          turns=max(5, args.steps))
         return rows
 
     return report_rows(measure, args.json, _table)
@@ -292,3 +294,8 @@ def _table(rows: list[dict]) -> None:
             print(f"linears at batch {r['batch']}: bytes read / time, beside the read probe "
                   "of the same bytes (labkit.bench.linear_rate)\n"
                   + format_rates(r["linear_rates"]))
+        if r.get("forward_floor"):
+            f = r["forward_floor"]
+            print(f"bare forward at batch 1 (context {f['context']}) against its floor, the "
+                  f"probe reading its {f['bytes'] / 1e6:.0f} MB of weights: {f['forward_ms']:.2f}"
+                  f" ms / {f['floor_ms']:.2f} ms = {f['over_floor']:.2f}x its floor")
