@@ -328,6 +328,43 @@ def test_a_compiler_without_avx512_bf16_still_builds_the_other_kernels(monkeypat
     assert tried[1] == ["-mavx2", "-mfma"]
 
 
+def test_a_compiler_without_avx512_vnni_still_builds_the_other_kernels(monkeypatch):
+    # a CPU with AVX512-VNNI and no BF16 (a Cascade Lake): its build is named for what it has,
+    # and a compiler that cannot build it still gets the AVX2 one
+    tried = []
+
+    def build_with(flags):
+        tried.append(flags)
+        variant = cpu_kernels._state["variant"] = (
+            "avx512vnni" if "-mavx512vnni" in flags else "avx2")
+        return None if variant == "avx512vnni" else "the avx2 module"
+
+    monkeypatch.setattr(cpu_kernels, "_flags", lambda: ["-mavx2", "-mfma", "-mavx512f",
+                                                        "-mavx512bw", "-mavx512vnni"])
+    monkeypatch.setattr(cpu_kernels, "_build_with", build_with)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setitem(cpu_kernels._state, "variant", None)
+    assert cpu_kernels._build() == "the avx2 module"
+    assert tried == [["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vnni"],
+                     ["-mavx2", "-mfma"]]
+
+
+def test_a_build_is_named_for_its_vector_flags(monkeypatch):
+    names = []
+
+    def build_extension(name, *a, **kw):
+        names.append(name)
+        return "built"
+
+    monkeypatch.setattr(cpu_kernels, "build_extension", build_extension)
+    monkeypatch.setitem(cpu_kernels._state, "variant", None)
+    for flags in (["-mavx2", "-mfma", "-mavx512f", "-mavx512bf16", "-mavx512vnni"],
+                  ["-mavx2", "-mfma", "-mavx512f", "-mavx512vnni"], ["-mavx2", "-mfma"], []):
+        cpu_kernels._build_with(flags)
+    assert names == ["labkit_kernels_avx512bf16", "labkit_kernels_avx512vnni",
+                     "labkit_kernels_avx2", "labkit_kernels_generic"]
+
+
 def test_the_kernel_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("LABKIT_CPU_KERNELS", "0")
     assert cpu_kernels._build() is None

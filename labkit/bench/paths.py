@@ -32,7 +32,11 @@ def kernel_paths(model, attention: str, device: str = "cpu") -> list[tuple[str, 
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             name = mod._labkit_kernel
-            if name is not None and labkit is not None:
+            if name == "int8_linear" and labkit is not None:  # its arithmetic, by the build
+                linears[f"{labkit} int8_linear " + ("on vpdpwssd (x as int16)"
+                                                    if built.has_int8_dot()
+                                                    else "(codes to fp32)")] += 1
+            elif name is not None and labkit is not None:
                 linears[f"{labkit} {name}"] += 1
             elif mod.scheme.bits == 8:
                 linears[f"torch _weight_int8pack_mm ({why})"] += 1

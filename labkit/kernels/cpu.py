@@ -272,7 +272,8 @@ def kernels():
 
 def status() -> str:
     """Which build of labkit's kernels serves in this process, or why none does (for a
-    learner reading a benchmark from another CPU): "avx512bf16", "avx2", "generic", or the
+    learner reading a benchmark from another CPU): "avx512bf16" (with VNNI where the CPU has
+    it), "avx512vnni", "avx2", "generic", or the
     reason, e.g. "off: LABKIT_CPU_KERNELS=0"."""
     if kernels() is not None:
         return str(_state.get("variant", "built"))
@@ -288,8 +289,8 @@ def _build():
         return None
     flags = _flags()
     module = _build_with(flags)
-    if module is None and "-mavx512bf16" in flags:  # an older compiler without AVX512-BF16
-        module = _build_with([f for f in flags if not f.startswith("-mavx512")])
+    if module is None and any(f.startswith("-mavx512") for f in flags):  # an older compiler
+        module = _build_with([f for f in flags if not f.startswith("-mavx512")])  # (no BF16)
     if module is None:  # no working compiler: torch's kernels serve instead
         _state["reason"] = "the build failed (its error is on stderr)"
         warnings.warn("labkit's CPU kernels did not build; using torch's kernels and the "
@@ -300,7 +301,8 @@ def _build():
 def _build_with(flags: list[str]):
     """The kernels built with these vector flags, from the cache or compiled now; None when
     the compiler fails."""
-    variant = "avx512bf16" if "-mavx512bf16" in flags else "avx2" if flags else "generic"
+    variant = ("avx512bf16" if "-mavx512bf16" in flags else "avx512vnni"
+               if "-mavx512vnni" in flags else "avx2" if flags else "generic")
     _state["variant"] = variant
     try:
         return build_extension(f"labkit_kernels_{variant}", [HERE / s for s in SOURCES],
