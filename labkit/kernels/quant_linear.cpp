@@ -155,7 +155,8 @@ static void x_to_int16(const float* x, int64_t K, int16_t* q, float* s) {
   }
   if (KB < K) {
     float amax = 0.f;
-    for (int64_t k = KB; k < K; ++k) amax = std::isnan(x[k]) ? NAN : std::max(amax, std::fabs(x[k]));
+    for (int64_t k = KB; k < K; ++k)  // (std::max keeps a NaN it was given first)
+      amax = std::isnan(x[k]) ? NAN : std::max(amax, std::fabs(x[k]));
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
     s[KB / kXBlock] = amax / 32767.f;
     for (int64_t k = KB; k < K; ++k)
@@ -215,32 +216,28 @@ static void rows_i16(const int16_t* xq, const float* xs, int64_t M, int64_t K, c
   for (; m + RMAX <= M; m += RMAX)
     tile_i16<RMAX, RN>(xq + m * K, xs + m * nb, K, w, y + m * N, N, m ? Ahead() : pf);
   const Ahead& rest = m == 0 ? pf : Ahead();
+  const int16_t* xr = xq + m * K;
+  const float* sr = xs + m * nb;
   switch (M - m) {
-    case 3: if constexpr (RMAX > 3) tile_i16<3, RN>(xq + m * K, xs + m * nb, K, w, y + m * N, N, rest); break;
-    case 2: if constexpr (RMAX > 2) tile_i16<2, RN>(xq + m * K, xs + m * nb, K, w, y + m * N, N, rest); break;
-    case 1: if constexpr (RMAX > 1) tile_i16<1, RN>(xq + m * K, xs + m * nb, K, w, y + m * N, N, rest); break;
+    case 3: if constexpr (RMAX > 3) tile_i16<3, RN>(xr, sr, K, w, y + m * N, N, rest); break;
+    case 2: if constexpr (RMAX > 2) tile_i16<2, RN>(xr, sr, K, w, y + m * N, N, rest); break;
+    case 1: if constexpr (RMAX > 1) tile_i16<1, RN>(xr, sr, K, w, y + m * N, N, rest); break;
     default: break;
   }
 }
 
-// y [M, N] = x [M, K] (fp32, contiguous) times int8 codes q [N, K] and per-row scales s [N]:
-// x made int16 once per call; one or two rows of x take 6 code rows at a time (12 or 24
-// sums in flight), more take 3 in tiles of up to 4 x 3 (the code rows found in L1 by every
-// tile after the first); each row's scale applied once, to the finished sum.
-at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(q.size(1) == K && s.numel() == N && q.is_contiguous() && x.is_contiguous(),
-              "int8_linear: x [M, K], q [N, K], s [N]");
-  auto y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = s.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// int8_linear's arithmetic here: x made int16 once per call; one or two rows of x take 6 code
+// rows at a time (12 or 24 sums in flight), more take 3 in tiles of up to 4 x 3 (the code rows
+// found in L1 by every tile after the first); each row's scale applied once, to the finished
+// sum.
+static void int8_into(const float* xp, const int8_t* qp, const float* sp, float* yp,
+                      int64_t M, int64_t K, int64_t N) {
   const int64_t nb = (K + kXBlock - 1) / kXBlock;
   std::vector<int16_t> xq(M * K);
   std::vector<float> xs(M * nb);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) x_to_int16(xp + m * K, K, xq.data() + m * K, xs.data() + m * nb);
+    for (int64_t m = m0; m < m1; ++m)
+      x_to_int16(xp + m * K, K, xq.data() + m * K, xs.data() + m * nb);
   });
   const int16_t* xqp = xq.data();
   const float* xsp = xs.data();
@@ -262,26 +259,18 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
         for (int64_t j = 0; j < rn; ++j) yp[m * N + n0 + j] *= sp[n0 + j];
     }
   });
-  return y;
 }
 #else
 static constexpr bool kInt8Dot = false;
 
-// y [M, N] = x [M, K] (fp32, contiguous) times int8 codes q [N, K] and per-row scales s [N]:
-// y[m, n] = (sum_k x[m, k] q[n, k]) * s[n], the scale once per output, not once per weight.
+// int8_linear's arithmetic without the dot product: y[m, n] = (sum_k x[m, k] q[n, k]) * s[n],
+// the scale once per output, not once per weight.
 // One to three rows of x read the codes straight into registers, 6 weight rows at a time
 // (independent sums in flight); more rows convert 3 code rows at a time into an fp32 buffer
 // that stays in L1 and reuse it for every row of x, in tiles of up to 4 x 3 (12 accumulators,
 // 3 weights, 1 x: 16 registers). Both give every output the same sums of the same values.
-at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  TORCH_CHECK(q.size(1) == K && s.numel() == N && q.is_contiguous() && x.is_contiguous(),
-              "int8_linear: x [M, K], q [N, K], s [N]");
-  auto y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = s.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+static void int8_into(const float* xp, const int8_t* qp, const float* sp, float* yp,
+                      int64_t M, int64_t K, int64_t N) {
   const int64_t RN = M < 4 ? 6 : 3;
   const int64_t nblocks = (N + RN - 1) / RN;
   at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
@@ -313,10 +302,21 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
         for (int64_t j = 0; j < rn; ++j) yp[m * N + n0 + j] *= sp[n0 + j];
     }
   });
-  return y;
 }
 
 #endif
+
+// y [M, N] = x [M, K] (fp32, contiguous) times int8 codes q [N, K] and per-row scales s [N],
+// by the build's arithmetic (int8_into above: on the integer dot product, or codes to fp32)
+at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.size(1) == K && s.numel() == N && q.is_contiguous() && x.is_contiguous(),
+              "int8_linear: x [M, K], q [N, K], s [N]");
+  auto y = at::empty({M, N}, x.options());
+  int8_into(x.data_ptr<float>(), q.data_ptr<int8_t>(), s.data_ptr<float>(), y.data_ptr<float>(),
+            M, K, N);
+  return y;
+}
 
 bool has_int8_dot() { return kInt8Dot; }
 
