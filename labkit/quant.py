@@ -32,7 +32,10 @@ scale and zero in one int32). Measured in a SmolLM2 int4 decode step at batch 1,
 1.1x, 1.3x and 2x faster than torch's int4 kernel with its casts (results/). On a CPU with
 AVX512-BF16, int4 runs on `cpu_kernels.int4_linear_bf16` instead (where N % 16 == 0, unless
 `LABKIT_BF16_DOT=0`): codes to bf16 by lookup, a bf16 dot product into fp32 sums, x rounded
-to bf16; 1.5x faster again at batch 1 on a 2-core AVX-512 machine. Scales and zeros
+to bf16; 1.5x faster again at batch 1 on a 2-core AVX-512 machine. On a CPU with
+AVX512-VNNI, int8 holds x as int16 instead (a scale per 64 values, `int8_x_as_int16`) and
+multiplies the codes by an integer dot product: turning codes into fp32 had bound it by its
+arithmetic (1.3x faster at batch 1, results/cpu-kernels-2026-12-05.md). Scales and zeros
 are rounded to bf16 when quantizing, so the kernel and the dequantize reference
 (`QuantLinear.reference`) compute with the very same numbers. The tied embedding/LM head: the
 head is quantized like any linear; the embedding lookup keeps the exact fp32 rows (it reads one
