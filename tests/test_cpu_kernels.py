@@ -72,6 +72,21 @@ def test_the_int8_kernels_x_rounding_is_tested_by_a_wrong_one():
 
 
 @needs_kernel
+def test_an_int8_block_of_near_zero_x_gives_near_zero_not_nan():
+    # 32767 / amax overflows to inf for amax near FLT_MIN: such a block is held as zeros
+    lin = _int8_linear(k=576)
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(9))
+    x[0] = 1e-38  # every block of row 0 tiny (subnormal-adjacent), row 1 ordinary
+    x[1, :64] = 0.0  # and an all-zero block
+    y = lin(x)
+    # zeros exactly (32767 / 1e-38 would be inf, and inf x turned into codes -32768)
+    assert torch.equal(y[0], torch.zeros_like(y[0])) and y.isfinite().all()
+    torch.testing.assert_close(y[1:], lin.reference(x[1:]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y, lin.reference(cpu_kernels.int8_x_as_int16(x)),
+                               rtol=2e-6, atol=2e-6)
+
+
+@needs_kernel
 def test_a_nan_in_x_reaches_the_int8_kernels_outputs():
     lin = _int8_linear(k=576)
     x = torch.randn(2, 576, generator=torch.Generator().manual_seed(8))

@@ -197,6 +197,7 @@ def _bf16_of(bits: torch.Tensor) -> torch.Tensor:
 
 
 INT8_X_BLOCK = 64  # int8_linear's integer dot product: one x scale per this many values
+INT8_X_TINY = 1e-30  # a block whose largest |x| is below this is held as zeros (C++: kTinyX)
 
 
 def int8_x_as_int16(x: torch.Tensor, block: int = INT8_X_BLOCK) -> torch.Tensor:
@@ -213,7 +214,7 @@ def int8_x_as_int16(x: torch.Tensor, block: int = INT8_X_BLOCK) -> torch.Tensor:
         amax = torch.where(v.isnan().any(dim=-1, keepdim=True), torch.nan, amax)
         # 32767 / amax as C++ divides (a Python number over a tensor is its reciprocal times
         # the number in torch: another rounding)
-        inv = torch.where(amax > 0, torch.full_like(amax, 32767.0).div(amax),
+        inv = torch.where(amax > INT8_X_TINY, torch.full_like(amax, 32767.0).div(amax),
                           torch.zeros_like(amax))
         out[..., k0:k0 + block] = torch.round(v * inv).clamp(-32768, 32767) * (amax / 32767.0)
     return out

@@ -131,6 +131,10 @@ static void rows(const float* x, int64_t M, int64_t K, const W* w, float* y, int
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 static constexpr bool kInt8Dot = true;
 static constexpr int64_t kXBlock = 64;
+// a block whose largest |x| is below this is held as zeros (32767 / amax would overflow
+// to inf near FLT_MIN, and inf times x would turn into codes -32768); each value moves
+// by less than 1e-30
+static constexpr float kTinyX = 1e-30f;
 
 // a row of x as int16 codes q [K] and one scale a block s [ceil(K / 64)] (a NaN in a block
 // makes its scale NaN, so the outputs it reaches are NaN, as an fp32 product's would be)
@@ -146,7 +150,7 @@ static void x_to_int16(const float* x, int64_t K, int16_t* q, float* s) {
       nan |= _mm512_cmp_ps_mask(v[u], v[u], _CMP_UNORD_Q);
     }
     const float amax = nan ? NAN : _mm512_reduce_max_ps(m);
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    const float inv = amax > kTinyX ? 32767.f / amax : 0.f;
     s[k0 / kXBlock] = amax / 32767.f;
     for (int u = 0; u < 4; ++u)  // rounded to nearest, ties to even (as std::nearbyint)
       _mm256_storeu_si256(
@@ -157,7 +161,7 @@ static void x_to_int16(const float* x, int64_t K, int16_t* q, float* s) {
     float amax = 0.f;
     for (int64_t k = KB; k < K; ++k)  // (std::max keeps a NaN it was given first)
       amax = std::isnan(x[k]) ? NAN : std::max(amax, std::fabs(x[k]));
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    const float inv = amax > kTinyX ? 32767.f / amax : 0.f;
     s[KB / kXBlock] = amax / 32767.f;
     for (int64_t k = KB; k < K; ++k)
       q[k] = (int16_t)std::max(-32768.f, std::min(32767.f, std::nearbyint(x[k] * inv)));
