@@ -230,8 +230,8 @@ class ModelRunner:
             on_staged()
         self.backend.begin_step(meta)
         logit_rows = meta.last_rows
-        if plan.verify is None and all(q == 1 for q in plan.query_lens):
-            logit_rows = None  # a decode step: every row's one token is its last (no gather)
+        if plan.kind == "decode":
+            logit_rows = None  # decode rows only: every row's one token is its last (no gather)
         elif plan.verify is not None:  # verify rows: the logits of their last k + 1 tokens
             ends = torch.tensor(plan.query_lens).cumsum(0).tolist()
             logit_rows = self.to_device([e - v + j for e, v in zip(ends, plan.verify)

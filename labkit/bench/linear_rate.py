@@ -16,8 +16,9 @@ Three views, each timed in alternating turns with the probe (medians of the turn
 - a step's linears: every layer's, then the head, in the model's order (a whole model's bytes,
   read as a step reads them), against one probe buffer of their total size;
 - the whole bare forward against the probe over those bytes: its memory floor (`forward_floor`).
-Both call the kernel itself (`_kernel`: the one that serves the linear), not the module: the
-module adds a few microseconds of Python a call, which the step's phase table counts.
+The first two call the kernel itself (`_kernel`: the one that serves the linear), not the
+module: the module adds a few microseconds of Python a call, which the step's phase table
+counts.
 """
 
 from __future__ import annotations
@@ -95,17 +96,25 @@ def _timed(f, reps: int = 1) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _alternate(a, b, turns: int, reps: int = 1) -> tuple[list[float], list[float]]:
+    """Seconds of one call of a and of b in each of `turns` turns of `reps` calls. Alternating:
+    a drifting machine slows both alike; who goes first changes every turn, so neither always
+    inherits the other's cache."""
+    ta, tb = [], []
+    for i in range(turns):
+        if i % 2:
+            tb.append(_timed(b, reps))
+        ta.append(_timed(a, reps))
+        if not i % 2:
+            tb.append(_timed(b, reps))
+    return ta, tb
+
+
 def _turns(pair: _Pair, turns: int) -> tuple[float, float]:
     """Median seconds of one pass over the pair's linears, and of one probe read of their
     bytes, from alternating turns of `reps` passes each."""
     reps = max(1, int(TURN_S / max(_timed(pair.one_pass), 1e-7)))
-    kern, read = [], []
-    for i in range(turns):  # alternating: a drifting machine slows both alike; who goes
-        if i % 2:  # first changes every turn, so neither always inherits the other's cache
-            read.append(_timed(pair.read, reps))
-        kern.append(_timed(pair.one_pass, reps))
-        if not i % 2:
-            read.append(_timed(pair.read, reps))
+    kern, read = _alternate(pair.one_pass, pair.read, turns, reps)
     return statistics.median(kern), statistics.median(read)
 
 
@@ -167,11 +176,7 @@ def forward_floor(model, context: int, turns: int = 15) -> dict | None:
     with torch.inference_mode():
         pair = _Pair(linears[1])
         step()
-        fwd, read = [], []
-        for i in range(turns):
-            for f, acc in ((step, fwd), (pair.read, read)) if i % 2 == 0 else (
-                    (pair.read, read), (step, fwd)):
-                acc.append(_timed(f))
+        fwd, read = _alternate(step, pair.read, turns)
     return {"forward_ms": statistics.median(fwd) * 1e3,
             "floor_ms": statistics.median(read) * 1e3, "bytes": pair.nbytes,
             "over_floor": statistics.median(f / r for f, r in zip(fwd, read)),

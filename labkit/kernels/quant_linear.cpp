@@ -225,7 +225,7 @@ static void rows_i16(const int16_t* xq, const float* xs, int64_t M, int64_t K, c
   switch (M - m) {
     case 3: if constexpr (RMAX > 3) tile_i16<3, RN>(xr, sr, K, w, y + m * N, N, rest); break;
     case 2: if constexpr (RMAX > 2) tile_i16<2, RN>(xr, sr, K, w, y + m * N, N, rest); break;
-    case 1: if constexpr (RMAX > 1) tile_i16<1, RN>(xr, sr, K, w, y + m * N, N, rest); break;
+    case 1: tile_i16<1, RN>(xr, sr, K, w, y + m * N, N, rest); break;
     default: break;
   }
 }
