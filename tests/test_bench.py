@@ -227,3 +227,33 @@ def test_kernel_paths_name_the_kernel_each_op_runs_on_and_why_not():
                                                  if k.startswith("linear"))
     assert "gather then torch SDPA" in paths["attention"]
     assert "attention" in format_paths(kernel_paths(model, "naive"))
+
+
+@pytest.mark.parametrize("trips, want_attempts, want_ok", [
+    ([(5, 60)], 1, True),                       # under a third of T_host at once
+    ([(27, 60), (9, 60)], 2, True),             # a quiet hiccup: measured again, then met
+    ([(27, 60), (30, 60), (28, 60)], 3, False),  # truly slow: every attempt fails the bound
+])
+def test_the_round_trip_is_measured_again_while_it_misses_its_bound(monkeypatch, trips,
+                                                                    want_attempts, want_ok):
+    # notebooks 06 and 07 hold the round trip under a third of the host's step: a quiet VM's
+    # neighbour can stall one attempt (no count of this machine's programs sees it), so any
+    # attempt over the bound is measured again; one truly that slow fails them all
+    from labkit.bench import decode
+
+    seq = iter(trips)
+    monkeypatch.setattr(decode, "run_once", lambda *a, **k: {"timeline": None})
+    current = {}
+
+    def round_trip(tls):
+        current["trip"] = next(seq)
+        return current["trip"][0] / 2e3, current["trip"][0] / 2e3  # command, back (ms)
+
+    monkeypatch.setattr(decode, "round_trip_ms_per_step", round_trip)
+    monkeypatch.setattr(decode, "typical_ms_per_step",
+                        lambda tls: (current["trip"][1] / 1e3, 0.5, None))
+    monkeypatch.setattr(decode.claims, "cpu_seconds", lambda: 0.0)
+    monkeypatch.setattr(decode.claims, "busy_elsewhere", lambda start: 0.0)  # quiet throughout
+    trip = decode.measure_round_trip(None, [[1]], 4, runs=1)
+    assert trip["attempts"] == want_attempts and trip["quiet"]
+    assert (trip["command_ms"] + trip["back_ms"] < trip["host_ms"] / 3) == want_ok

@@ -304,11 +304,13 @@ def measure_round_trip(engine, prompt_ids: list[list[int]], tokens: int, runs: i
     """The typical blocking step's round trip, held the course's way under load: `runs`
     blocking runs of the prompts, their round trip and terms from `round_trip_ms_per_step` and
     `typical_ms_per_step`, and the cores other programs kept busy meanwhile. While the round
-    trip looks like more than a third of T_host *and* another program kept `ROUND_TRIP_QUIET`
-    of a core or more busy (the host may have waited for that program's time slice, not for
-    the device), it is measured again, `attempts` times at most; returns the attempt that met
-    the bound, else the least loaded: {command_ms, back_ms, host_ms, device_ms, busy, quiet,
-    attempts}, `quiet` saying whether other programs stayed under `ROUND_TRIP_QUIET`."""
+    trip looks like more than a third of T_host it is measured again, `attempts` times at most:
+    the host may have waited for another program's time slice, or, on a shared VM, for a
+    neighbour's that no count of this machine's programs sees (one quiet attempt in the
+    course's runs measured 27 us against a host step of 60); a round trip truly that slow
+    fails every attempt. Returns the attempt that met the bound, else the least loaded:
+    {command_ms, back_ms, host_ms, device_ms, busy, quiet, attempts}, `quiet` saying whether
+    other programs stayed under `ROUND_TRIP_QUIET` of a core."""
     tried = []
     while len(tried) < attempts:
         start = claims.cpu_seconds()
@@ -316,7 +318,7 @@ def measure_round_trip(engine, prompt_ids: list[list[int]], tokens: int, runs: i
         (command, back), (host, device, _) = round_trip_ms_per_step(tls), typical_ms_per_step(tls)
         tried.append({"command_ms": command, "back_ms": back, "host_ms": host,
                       "device_ms": device, "busy": claims.busy_elsewhere(start)})
-        if command + back < host / 3 or tried[-1]["busy"] < ROUND_TRIP_QUIET:
+        if command + back < host / 3:
             break
     best = min(tried, key=lambda t: (t["command_ms"] + t["back_ms"] >= t["host_ms"] / 3,
                                      t["busy"]))
