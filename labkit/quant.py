@@ -61,8 +61,9 @@ QUANT_VERSION = 2  # bump when the quantized format changes or old entries may b
 INT4_GROUPS = (32, 64, 128)
 _CANONICAL = ("qweight", "scale", "zero")
 # labkit's int4 layouts, each with its exact inverse: a QuantLinear on one of them holds only it
-_LOSSLESS = {"int4_linear_bf16": cpu_kernels.int4_bf16_codes,
-             "int4_linear": cpu_kernels.int4_codes}
+_LOSSLESS = {"int4_linear_bf16": cpu_kernels.int4_bf16_codes,  # layout -> codes, scale, zero
+             "int4_linear": cpu_kernels.int4_codes,
+             "int8_linear_tiled": None}  # (the tiles and N: QuantLinear.canonical)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -232,11 +233,13 @@ class QuantLinear(nn.Module):
 
     The canonical codes (what the cache stores, in its state_dict): int8 `qweight` [N, K] and
     `scale` [N]; int4 `qweight` [N, K/2] (pack_int4), `scale`, `zero` [N, K/g]. The kernel's
-    own layout (`kweight`, `kscale`) is derived from them and not stored: for int4 on the CPU,
-    labkit's bf16-dot layout (`kscale` int16) where `cpu_kernels.int4_bf16_fits`, else
-    labkit's (`kscale` int32) where `cpu_kernels.int4_fits`, else torch's (bf16). labkit's int4
-    layouts keep every code, scale and zero exactly, so a linear on one of them holds that
-    layout alone: `canonical()` gives its codes back (and its state_dict holds them).
+    own layout (`kweight`, `kscale`) is derived from them and not stored: for int8 on the CPU,
+    labkit's tiles (`cpu_kernels.int8_tiled_layout`) where `cpu_kernels.int8_tiled_fits`, else
+    the codes as they are; for int4 on the CPU, labkit's bf16-dot layout (`kscale` int16) where
+    `cpu_kernels.int4_bf16_fits`, else labkit's (`kscale` int32) where `cpu_kernels.int4_fits`,
+    else torch's (bf16). labkit's layouts keep every code, scale and zero exactly, so a linear
+    on one of them holds that layout alone: `canonical()` gives its codes back (and its
+    state_dict holds them).
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme,
@@ -304,7 +307,11 @@ class QuantLinear(nn.Module):
         dev = self.qweight.device
         # which of labkit's CPU kernels serves this linear (where `usable`), else None: torch's
         self._labkit_kernel = None
-        if self.scheme.bits == 8:
+        if self.scheme.bits == 8 and cpu_kernels.int8_tiled_fits(self.in_features, self.scale):
+            # an AVX512-VNNI CPU: the codes in tiles of 6 rows, read front to back
+            kw, ks = cpu_kernels.int8_tiled_layout(self.qweight), self.scale
+            self._labkit_kernel = "int8_linear_tiled"
+        elif self.scheme.bits == 8:  # (kscale: what torch's int8 kernel takes)
             kw, ks = self.qweight, self.scale.to(torch.bfloat16)
             self._labkit_kernel = "int8_linear"
         elif dev.type == "cuda":  # tinygemm: uint8 [N, K/2] in, its own tiled layout out
@@ -328,11 +335,11 @@ class QuantLinear(nn.Module):
         self.register_buffer("kweight", kw, persistent=False)
         self.register_buffer("kscale", ks, persistent=False)
         if self._labkit_kernel in _LOSSLESS:
-            # labkit's int4 layouts hold every code, scale and zero exactly: the canonical
-            # buffers are not kept beside them (an int4-g32 SmolLM2 holds 80 MiB, not 176) and
+            # labkit's layouts hold every code, scale and zero exactly: the canonical buffers
+            # are not kept beside them (an int4-g32 SmolLM2 holds 80 MiB, not 176) and
             # `canonical()` gives them back when asked (the cache, dequantized, concat, a move)
             for name in _CANONICAL:
-                del self._buffers[name]
+                self._buffers.pop(name, None)
             self._derived = True
 
     def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -340,6 +347,9 @@ class QuantLinear(nn.Module):
         linear on labkit's int4 layout has no `qweight`, `scale` or `zero` buffers: ask here)."""
         if not self._derived:
             return self.qweight, self.scale, self._buffers.get("zero")
+        if self._labkit_kernel == "int8_linear_tiled":
+            return (cpu_kernels.int8_tiled_codes(self.kweight, self.out_features,
+                                                 self.in_features), self.kscale, None)
         codes, scale, zero = _LOSSLESS[self._labkit_kernel](self.kweight, self.kscale)
         return pack_int4(codes), scale, zero
 
@@ -347,7 +357,8 @@ class QuantLinear(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._derived:  # the cache stores the canonical codes, whatever this model holds
             for name, t in zip(_CANONICAL, self.canonical()):
-                destination[prefix + name] = t
+                if t is not None:  # (int8 has no zero)
+                    destination[prefix + name] = t
 
     @property
     def weight_bytes(self) -> int:
@@ -357,9 +368,9 @@ class QuantLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight [N, K] these codes stand for (the reference; fake quantization)."""
-        if self.scheme.bits == 8:
-            return dequantize_int8(self.qweight, self.scale)
         qweight, scale, zero = self.canonical()
+        if self.scheme.bits == 8:
+            return dequantize_int8(qweight, scale)
         return dequantize_int4(unpack_int4(qweight), scale, zero)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -377,13 +388,13 @@ class QuantLinear(nn.Module):
             if mod is not None:
                 x2 = x if x.dim() == 2 and x.is_contiguous() else (
                     x.reshape(-1, self.in_features).contiguous())  # [M, K]
-                kernel = getattr(mod, labkits)  # int8_linear, int4_linear, int4_linear_bf16
+                kernel = getattr(mod, labkits)  # int8_linear(_tiled), int4_linear(_bf16)
                 y = (kernel(x2, self.qweight, self.scale) if labkits == "int8_linear"
                      else kernel(x2, self.kweight, self.kscale))  # [M, N]
                 y = y if self.bias is None else y + self.bias
                 return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
             if labkits != "int8_linear":  # a torch mode is on (it must see aten ops) or x is
-                return self.reference(x)  # not fp32 CPU: labkit's int4 layouts have no torch op
+                return self.reference(x)  # not fp32 CPU: labkit's layouts have no torch op
         # torch's packed kernels take bf16 rows
         lead = x.shape[:-1]
         xb = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(torch.bfloat16)  # [M, K]

@@ -107,6 +107,38 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(k):
         assert torch.equal(lin(x[:m]), alone[:m]), m
 
 
+needs_int8_dot = pytest.mark.skipif(built is None or not built.has_int8_dot(),
+                                    reason="this CPU has no AVX512-VNNI: no int8_linear_tiled")
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("n,k", [(200, 100), (8, 576), (7, 64), (48, 1536)])
+def test_int8_on_tiles_gives_the_bits_int8_on_rows_gives(n, k):
+    # the same integer sums in the same order, read from tiles of 6 rows (zeros past N and K:
+    # N = 200 and 8 end in a short block, K = 100 in a short tile), at every row count
+    q, s = _int8_linear(n=n, k=k).canonical()[:2]
+    tiles = cpu_kernels.int8_tiled_layout(q)
+    assert tiles.shape == (-(-n // 6), -(-k // 32), 6, 32)
+    assert torch.equal(cpu_kernels.int8_tiled_codes(tiles, n, k), q)
+    assert torch.equal(tiles[0, 0, 1, :3], q[1, :3])  # tile [b, c]: rows 6b.., codes 32c..
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(5))
+    for m in (1, 2, 3, 4, 5, 11):  # one or two rows: 6 code rows at once; more: 3, 3
+        assert torch.equal(built.int8_linear_tiled(x[:m], tiles, s),
+                           built.int8_linear(x[:m], q, s)), m
+
+
+@needs_int8_dot
+def test_int8_on_tiles_refuses_tiles_of_another_shape():
+    q, s = _int8_linear(n=12, k=64).canonical()[:2]
+    tiles = cpu_kernels.int8_tiled_layout(q)
+    with pytest.raises(RuntimeError, match="tiles"):
+        built.int8_linear_tiled(torch.randn(1, 96), tiles, s)  # K = 96 needs 3 tiles a block
+    with pytest.raises(RuntimeError, match="tiles"):
+        built.int8_linear_tiled(torch.randn(1, 64), tiles, s[:6])  # N = 6: one block, not 2
+    with pytest.raises(RuntimeError, match="tiles"):
+        built.int8_linear_tiled(torch.randn(1, 64), q, s)  # the codes as they are
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 32])
 @pytest.mark.parametrize("bias", [False, True])
@@ -147,15 +179,28 @@ def test_the_fp32_kernel_serves_few_rows_only_and_python_agrees_with_the_stack()
 
 
 def test_without_the_kernel_quantlinear_uses_torchs(monkeypatch):
+    monkeypatch.setenv("LABKIT_INT8_TILES", "0")  # the codes as they are, which torch reads
     lin = _int8_linear(k=128, bias=True)  # torch's int8 kernel wants K in whole blocks
     x = torch.randn(2, lin.in_features, generator=torch.Generator().manual_seed(2))
     monkeypatch.setitem(cpu_kernels._state, "module", None)
     got = lin(x)  # torch._weight_int8pack_mm: bf16 activations
     want = lin.reference(x)
     assert (got - want).abs().max() <= 0.01 * want.abs().max()
+    assert not torch.equal(got, want)  # (bf16 activations: not the fp32 reference)
     if built is not None:  # a different path: the bf16 rounding of the activations shows
         monkeypatch.setitem(cpu_kernels._state, "module", built)
         assert not torch.equal(lin(x), got)
+
+
+@needs_int8_dot
+def test_without_the_kernel_an_int8_linear_on_tiles_takes_the_reference(monkeypatch):
+    # torch has no op for labkit's tiles: a torch mode (or no module) gets the dequantized
+    # reference, which recovers the codes from the tiles
+    lin = _int8_linear(k=128, bias=True)
+    assert lin._labkit_kernel == "int8_linear_tiled"
+    x = torch.randn(2, lin.in_features, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setitem(cpu_kernels._state, "module", None)
+    assert torch.equal(lin(x), lin.reference(x))
 
 
 def _int4_linear(n=203, k=96, spec="int4-g32", bias=False, seed=0):

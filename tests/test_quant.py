@@ -19,6 +19,7 @@ from labkit.quant import (
     QuantLinear,
     QuantScheme,
     dequantize_int4,
+    dequantize_int8,
     load_quantized,
     pack_int4,
     quantize_int4,
@@ -79,6 +80,40 @@ def test_packed_kernel_layout_holds_the_codes(spec):
     if not labkits:  # torch's kernels output bf16
         want = want.bfloat16().float()
     assert torch.equal(got, want), f"{spec}: packed weights differ from the codes"
+
+
+@pytest.mark.parametrize("tiles", ["1", "0"])
+def test_an_int8_linear_on_labkits_tiles_holds_only_them_and_gives_the_codes_back(
+        monkeypatch, tiles):
+    # where the CPU has the integer dot product, int8 codes are held in labkit's tiles alone
+    # (cpu_kernels.int8_tiled_layout); LABKIT_INT8_TILES=0 keeps them as they are
+    monkeypatch.setenv("LABKIT_INT8_TILES", tiles)
+    w = torch.randn(100, 128, generator=torch.Generator().manual_seed(8))  # 16 blocks of 6 + 4
+    q, s = quantize_int8(w, bf16_scales=True)
+    ql = QuantLinear(128, 100, QuantScheme.parse("int8"))
+    ql.set_codes(q, s)
+    built = cpu_kernels.kernels()
+    if tiles == "0" or built is None or not built.has_int8_dot():
+        assert ql._labkit_kernel == "int8_linear"  # (torch's kernel where none is built)
+        assert torch.equal(ql.qweight, q) and "qweight" in ql.state_dict()
+        return
+    assert ql._labkit_kernel == "int8_linear_tiled"
+    assert {n for n, _ in ql.named_buffers()} == {"kweight", "kscale"}
+    assert ql.kweight.shape == (17, 4, 6, 32)  # the last block's 2 rows past N are zeros
+    assert not ql.kweight[16, :, 4:].any()
+    state = ql.state_dict()
+    assert torch.equal(state["qweight"], q) and torch.equal(state["scale"], s)
+    assert "zero" not in state and torch.equal(ql.canonical()[0], q)
+    assert torch.equal(ql.dequantized(), dequantize_int8(q, s))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(9))
+    before = ql(x)
+    monkeypatch.setenv("LABKIT_INT8_TILES", "0")  # the same codes as they are: the same bits
+    rows = QuantLinear(128, 100, QuantScheme.parse("int8"))
+    rows.set_codes(state["qweight"], state["scale"])
+    assert rows._labkit_kernel == "int8_linear" and torch.equal(rows(x), before)
+    monkeypatch.setenv("LABKIT_INT8_TILES", "1")
+    relayout(ql)  # as after a move: the codes recovered from the tiles, the tiles rebuilt
+    assert torch.equal(ql(x), before) and ql._labkit_kernel == "int8_linear_tiled"
 
 
 @pytest.mark.parametrize("bf16_dot", ["1", "0"])

@@ -4,7 +4,7 @@ CPU has them, a scalar loop of the same structure elsewhere), for the places whe
 cost more in dispatch or conversion than in arithmetic:
 
     lanes.h              the fixed-order lane reductions every kernel shares (batch invariance)
-    quant_linear.cpp     int8_linear, int4_linear, int4_linear_bf16
+    quant_linear.cpp     int8_linear(_tiled), int4_linear, int4_linear_bf16
     attention_tiles.h    what both attention kernels share: scores, exp and sum, weighted V
     paged_attention.cpp  paged_attention
     flash_attention.cpp  flash_attention
@@ -218,6 +218,36 @@ def int8_x_as_int16(x: torch.Tensor, block: int = INT8_X_BLOCK) -> torch.Tensor:
                           torch.zeros_like(amax))
         out[..., k0:k0 + block] = torch.round(v * inv).clamp(-32768, 32767) * (amax / 32767.0)
     return out
+
+
+INT8_TILE_ROWS, INT8_TILE_K = 6, 32  # int8_tiled_layout: 32 codes of 6 rows side by side
+
+
+def int8_tiled_fits(k: int, scale: torch.Tensor) -> bool:
+    """Whether `int8_linear_tiled` can serve an int8 linear with K = `k`: the kernels are
+    built with the integer dot product (AVX512-VNNI), the scales are on the CPU, K is a
+    multiple of 32 (so the tiles alone give the codes back), and `LABKIT_INT8_TILES` is not 0
+    (0: int8_linear on the codes as they are, to compare the two)."""
+    return (os.environ.get("LABKIT_INT8_TILES", "1") != "0" and scale.device.type == "cpu"
+            and k % INT8_TILE_K == 0 and kernels() is not None and kernels().has_int8_dot())
+
+
+def int8_tiled_layout(codes: torch.Tensor) -> torch.Tensor:
+    """`int8_linear_tiled`'s codes from int8 codes [N, K]: tiles [ceil(N/6), ceil(K/32), 6,
+    32], tile [b, c] holding codes k = 32c .. 32c + 31 of rows 6b .. 6b + 5 (zeros past N and
+    K). The kernel multiplies 6 rows at a time, so it reads each block front to back."""
+    n, k = codes.shape
+    rows, cols = -n % INT8_TILE_ROWS, -k % INT8_TILE_K
+    padded = torch.nn.functional.pad(codes, (0, cols, 0, rows))  # [Np, Kp]
+    return (padded.reshape(-1, INT8_TILE_ROWS, (k + cols) // INT8_TILE_K, INT8_TILE_K)
+            .transpose(1, 2).contiguous())
+
+
+def int8_tiled_codes(tiles: torch.Tensor, n: int, k: int | None = None) -> torch.Tensor:
+    """The inverse of `int8_tiled_layout`: the codes [n, k] (k: all the tiles hold)."""
+    nb, kc = tiles.shape[:2]
+    codes = tiles.transpose(1, 2).reshape(nb * INT8_TILE_ROWS, kc * INT8_TILE_K)
+    return codes[:n, :k].contiguous()
 
 
 def int4_bf16_fits(n: int, k: int, group_size: int, scale: torch.Tensor,

@@ -15,11 +15,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // one linear of a layer: how its weights are stored decides the call
-enum LinearKind : int64_t { kFp32 = 0, kInt8 = 1, kInt4 = 2, kInt4Bf16 = 3 };
+enum LinearKind : int64_t { kFp32 = 0, kInt8 = 1, kInt4 = 2, kInt4Bf16 = 3, kInt8Tiled = 4 };
 
 struct Linear {
   int64_t kind = -1;  // -1: absent (the fused or the unfused form holds it)
-  at::Tensor a, b;  // fp32: weight [N, K]; int8: codes, scales; int4: codes, scale|zero
+  at::Tensor a, b;  // fp32: weight [N, K]; int8: codes (or tiles), scales; int4: codes, scale|zero
   c10::optional<at::Tensor> bias;  // from an empty tensor: none
 };
 
@@ -165,6 +165,10 @@ class DecoderStack {
         }
         case kInt8: {
           at::Tensor y = int8_linear(x, lin.a, lin.b);
+          return lin.bias ? y + *lin.bias : y;
+        }
+        case kInt8Tiled: {
+          at::Tensor y = int8_linear_tiled(x, lin.a, lin.b);
           return lin.bias ? y + *lin.bias : y;
         }
         case kInt4: {

@@ -26,7 +26,8 @@ from labkit.kernels import cpu as cpu_kernels
 _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, stack)
 _state = {"enabled": os.environ.get("LABKIT_DECODER_STACK", "1") != "0", "profile": False,
           "kernel_s": 0.0}
-_KINDS = {"int8_linear": 1, "int4_linear": 2, "int4_linear_bf16": 3}  # decoder_stack.cpp
+_KINDS = {"int8_linear": 1, "int4_linear": 2, "int4_linear_bf16": 3,  # decoder_stack.cpp
+          "int8_linear_tiled": 4}
 _LINEARS = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj",
             "up_proj", "down_proj")
 _NONE = torch.empty(0)
