@@ -53,9 +53,11 @@ def linears(rounds: int) -> None:
         xs = [torch.randn(m, lin.in_features) for lin in lins]
         for (q, t, s), x in zip(ops, xs):
             assert torch.equal(mod.int8_linear(x, q, s), mod.int8_linear_tiled(x, t, s))
+        calls = list(zip(ops, xs))
         res = _alternating({
-            "rows": lambda: [mod.int8_linear(x, q, s) for (q, _, s), x in zip(ops, xs)],
-            "tiles": lambda: [mod.int8_linear_tiled(x, t, s) for (_, t, s), x in zip(ops, xs)],
+            "rows": lambda calls=calls: [mod.int8_linear(x, q, s) for (q, _, s), x in calls],
+            "tiles": lambda calls=calls: [mod.int8_linear_tiled(x, t, s)
+                                          for (_, t, s), x in calls],
             "probe": lambda: [mod.read_probe(t) for _, t, _ in ops]}, rounds)
         med = {n: statistics.median(v) for n, v in res.items()}
         gain = statistics.median(a / b for a, b in zip(res["rows"], res["tiles"]))
