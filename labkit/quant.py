@@ -35,7 +35,9 @@ AVX512-BF16, int4 runs on `cpu_kernels.int4_linear_bf16` instead (where N % 16 =
 to bf16; 1.5x faster again at batch 1 on a 2-core AVX-512 machine. On a CPU with
 AVX512-VNNI, int8 holds x as int16 instead (a scale per 64 values, `int8_x_as_int16`) and
 multiplies the codes by an integer dot product: turning codes into fp32 had bound it by its
-arithmetic (1.3x faster at batch 1, results/cpu-kernels-2026-12-05.md). Scales and zeros
+arithmetic (1.3x faster at batch 1, results/cpu-kernels-2026-12-05.md), and holds the codes
+in tiles of 6 rows read front to back (`cpu_kernels.int8_linear_tiled`; a step's linears
+1.05-1.10x faster, results/cpu-kernels-2026-12-05b.md). Scales and zeros
 are rounded to bf16 when quantizing, so the kernel and the dequantize reference
 (`QuantLinear.reference`) compute with the very same numbers. The tied embedding/LM head: the
 head is quantized like any linear; the embedding lookup keeps the exact fp32 rows (it reads one
@@ -60,10 +62,12 @@ QUANT_VERSION = 2  # bump when the quantized format changes or old entries may b
 # shares in a process, so entries built after that in the same process were built on AWQ's norms)
 INT4_GROUPS = (32, 64, 128)
 _CANONICAL = ("qweight", "scale", "zero")
-# labkit's int4 layouts, each with its exact inverse: a QuantLinear on one of them holds only it
-_LOSSLESS = {"int4_linear_bf16": cpu_kernels.int4_bf16_codes,  # layout -> codes, scale, zero
+# labkit's layouts, each with its exact inverse: a QuantLinear on one of them holds only it
+# (kweight, kscale) -> codes, scale, zero (int8's tiles: K a multiple of 32, int8_tiled_fits)
+_LOSSLESS = {"int4_linear_bf16": cpu_kernels.int4_bf16_codes,
              "int4_linear": cpu_kernels.int4_codes,
-             "int8_linear_tiled": None}  # (the tiles and N: QuantLinear.canonical)
+             "int8_linear_tiled": lambda tiles, scale: (
+                 cpu_kernels.int8_tiled_codes(tiles, scale.numel()), scale, None)}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -347,11 +351,8 @@ class QuantLinear(nn.Module):
         linear on labkit's int4 layout has no `qweight`, `scale` or `zero` buffers: ask here)."""
         if not self._derived:
             return self.qweight, self.scale, self._buffers.get("zero")
-        if self._labkit_kernel == "int8_linear_tiled":
-            return (cpu_kernels.int8_tiled_codes(self.kweight, self.out_features,
-                                                 self.in_features), self.kscale, None)
         codes, scale, zero = _LOSSLESS[self._labkit_kernel](self.kweight, self.kscale)
-        return pack_int4(codes), scale, zero
+        return (codes if self.scheme.bits == 8 else pack_int4(codes)), scale, zero
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -174,7 +174,9 @@ static void x_to_int16(const float* x, int64_t K, int16_t* q, float* s) {
 struct CodeRows {
   const int8_t* w;
   int64_t rs, cs;
-  inline const int8_t* at(int64_t j, int64_t k) const { return w + j * rs + (k >> 5) * cs + (k & 31); }
+  inline const int8_t* at(int64_t j, int64_t k) const {
+    return w + j * rs + (k >> 5) * cs + (k & 31);
+  }
 };
 
 // RM rows of x (int16 codes xq, block scales xs, K values a row) against RN code rows
@@ -345,11 +347,12 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
 // ceil(K / 32), 6, 32], each 32 codes of 6 rows side by side, zeros where N or K ends). A block of
 // 6 rows is then one run of bytes, read front to back, where on rows [N, K] the tile reads 6
 // runs 32 bytes at a time, K bytes apart. The same sums of the same integers, so the same bits
-// as int8_linear on the rows. Measured (a SmolLM2 step's 121 linears at 1 row, alternating in
-// one process beside the read probe over the same tensors): 1.17x int8_linear's rate
-// (29.1 -> 34.0 GB/s, the probe 39.0), where an inner loop that only loaded the codes, with no
-// arithmetic, read no faster than int8_linear: it was the order of the reads, not the
-// multiplies. Built where the integer dot product is (AVX512-VNNI).
+// as int8_linear on the rows. Measured (a SmolLM2 step's 121 linears, alternating in one
+// process beside the read probe over the same tensors): 1.05-1.10x int8_linear at 1 row (at
+// 0.91-1.05x the probe's rate), 1.05-1.08x at 2, 1.00x at 4 and more (bound by its dot
+// products there); the whole forward at batch 1 1.085-1.153x. An inner loop that only loaded
+// the codes, with no arithmetic, had read no faster than int8_linear: it was the order of the
+// reads, not the multiplies. Built where the integer dot product is (AVX512-VNNI).
 at::Tensor int8_linear_tiled(at::Tensor x, at::Tensor tiles, at::Tensor s) {
   TORCH_CHECK(kInt8Dot, "int8_linear_tiled: this build has no integer dot product (AVX512-VNNI)");
   const int64_t M = x.size(0), K = x.size(1), N = s.numel();
