@@ -192,6 +192,28 @@ def test_ablation_books_round_trips_from_a_blocking_timeline_on_the_hosts_chain(
     assert predict_wall(10, 50, 1.0, 0.1, 1.4, True, round_trip=0.2) == pytest.approx(16.0)
 
 
+def test_fp32s_extra_cost_is_fitted_through_the_typical_decode_launch_and_the_chunk(monkeypatch):
+    # the quantized kernel is not on one line from 1 row to 64: the line goes through the
+    # run's typical decode rows and the chunk's, exactly; the 1-row steps are reported as such
+    from labkit.bench import ablation
+    from labkit.bench import quant as bench_quant
+
+    ms = {("fp32", 1): 20.0, ("quant", 1): 5.0, ("fp32", 4): 21.0, ("quant", 4): 13.0,
+          ("fp32", 64): 40.0, ("quant", 64): 60.0}
+    monkeypatch.setattr(bench_quant, "decode_step", lambda model, n: (model, n))
+    monkeypatch.setattr(bench_quant, "alternate",
+                        lambda fns, rounds, steps: {k: [ms[k]] for k in fns})
+    per_launch, per_token, t_f, t_q = ablation.quant_step_split("fp32", "quant", 64, rows=4)
+    extra = lambda n: (per_launch + per_token * n) * 1e3  # noqa: E731
+    assert extra(4) == pytest.approx(8.0) and extra(64) == pytest.approx(-20.0)
+    assert (t_f, t_q) == pytest.approx((0.020, 0.005))
+    # through 1 row instead, the same data books 4-row launches 5.3 ms dearer than measured
+    a1, b1, _, _ = ablation.quant_step_split("fp32", "quant", 64, rows=1)
+    assert (a1 + 4 * b1) * 1e3 == pytest.approx(15 - 35 / 63 * 3)
+    assert ablation.typical_decode_rows([64, 4, 4, 3, 64, 2], [1, 4, 4, 3, 2, 2]) == 4
+    assert ablation.typical_decode_rows([64, 64], [1, 2]) == 1  # no decode launch
+
+
 def test_kernel_paths_name_the_kernel_each_op_runs_on_and_why_not():
     from labkit.bench.paths import format_paths, kernel_paths
     from labkit.kernels import cpu as cpu_kernels

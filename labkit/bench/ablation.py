@@ -196,26 +196,38 @@ def predict_wall(steps: int, tokens: int, a: float, b: float, h: float, pipeline
     return host + device
 
 
-def quant_step_split(fp32_model, quant_model, tokens: int = 64, rounds: int = 7,
-                     steps: int = 10) -> tuple[float, float, float, float]:
+def quant_step_split(fp32_model, quant_model, tokens: int = 64, rows: int = 1,
+                     rounds: int = 7, steps: int = 10) -> tuple[float, float, float, float]:
     """(extra seconds per launch, extra seconds per token) that fp32 weights cost over the
-    quantized ones: one decode step of 1 row and one of `tokens` rows in each format, in
-    alternating turns on one thread (the simulated device's), fitted as a line. The per-launch
-    part is the weights' extra bytes over the bandwidth the kernels reach (chapter 03); the
-    per-token part is what the two formats' arithmetic costs each row (at a prefill chunk's
-    rows, fp32's matmul can beat a quantized kernel that converts every weight it reads)."""
+    quantized ones, and a 1-row step's seconds in each format: decode steps of `rows` rows (the
+    run's typical decode launch) and of `tokens` rows (a prefill chunk's) in each format, in
+    alternating turns on one thread (the simulated device's), the difference fitted as a line
+    through the two. The per-launch part is the weights' extra bytes over the bandwidth the
+    kernels reach (chapter 03); the per-token part is what the two formats' arithmetic costs
+    each row (at a prefill chunk's rows, fp32's matmul can beat a quantized kernel that
+    converts every weight it reads). The line goes through the launches a run makes most: a
+    quantized kernel reading its codes at one row and multiplying them at four are not on one
+    line with a chunk of 64 (with int8 on tiles, the line through 1 row booked fp32's extra
+    cost so dear that notebook 08's full-mode ablation measured 0.85-0.88 of the predicted
+    gain of quantizing, results/cpu-kernels-2026-12-05b.md)."""
     from labkit.bench.quant import alternate, decode_step
     from labkit.claims import torch_threads
 
+    shapes = sorted({1, rows, tokens})
     with torch_threads(1), torch.inference_mode():
-        turns = alternate({("fp32", 1): decode_step(fp32_model, 1),
-                           ("quant", 1): decode_step(quant_model, 1),
-                           ("fp32", tokens): decode_step(fp32_model, tokens),
-                           ("quant", tokens): decode_step(quant_model, tokens)}, rounds, steps)
+        turns = alternate({(fmt, n): decode_step(m, n) for n in shapes
+                           for fmt, m in (("fp32", fp32_model), ("quant", quant_model))},
+                          rounds, steps)
     t = {k: statistics.median(v) / 1e3 for k, v in turns.items()}
-    d1, dn = t["fp32", 1] - t["quant", 1], t["fp32", tokens] - t["quant", tokens]
-    per_token = (dn - d1) / (tokens - 1)
-    return d1 - per_token, per_token, t["fp32", 1], t["quant", 1]
+    d_r, d_n = t["fp32", rows] - t["quant", rows], t["fp32", tokens] - t["quant", tokens]
+    per_token = (d_n - d_r) / (tokens - rows)
+    return d_r - per_token * rows, per_token, t["fp32", 1], t["quant", 1]
+
+
+def typical_decode_rows(step_tokens: list[int], step_rows: list[int]) -> int:
+    """The median rows of a run's decode launches (each row one token), 1 if it made none."""
+    decode = [r for t, r in zip(step_tokens, step_rows) if t == r]
+    return max(1, round(statistics.median(decode))) if decode else 1
 
 
 def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
@@ -278,8 +290,11 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
     busy = statistics.median(r["busy"] for got in runs.values() for r in got)
     cores = free_cores(busy)
     extra_a = extra_b = t_f = t_q = 0.0
+    split_rows = typical_decode_rows(runs["whole engine"][0]["step_tokens"],
+                                     runs["whole engine"][0]["step_rows"])
     if whole.quant:  # fp32's extra cost: bytes per launch, arithmetic per token
-        extra_a, extra_b, t_f, t_q = quant_step_split(model, quant_model, whole.max_step_tokens)
+        extra_a, extra_b, t_f, t_q = quant_step_split(model, quant_model, whole.max_step_tokens,
+                                                      min(split_rows, whole.max_step_tokens - 1))
     rows = []
     for name, setup in setups:
         got = runs[name]
@@ -308,7 +323,8 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
                          "round_trip": r_trip * 1e3,
                          "sample": sample * 1e3,
                          "fp32_extra_a": extra_a * 1e3, "fp32_extra_b": extra_b * 1e3,
-                         "step_fp32": t_f * 1e3, "step_quant": t_q * 1e3}
+                         "step_fp32": t_f * 1e3, "step_quant": t_q * 1e3,
+                         "split_rows": split_rows}
     if t_f > t_q:  # t = dispatch + bytes / bandwidth, solved from the two formats
         bw = (fp32_bytes - quant_bytes) / (t_f - t_q)
         rows[0]["fit_ms"]["dispatch"] = (t_q - quant_bytes / bw) * 1e3
