@@ -9,7 +9,8 @@
    that the two kernels give the same bits.
 2. The whole bare forward at batch 1 (context 64), the model built with LABKIT_INT8_TILES=0 and
    with 1, alternating turns of 5 forwards.
-Medians; "per round" ratios are the median of each round's ratio.
+Turns alternate as every labkit benchmark's (`labkit.bench.quant.alternate`); medians; "per
+round" ratios are the median of each round's ratio.
 """
 
 from __future__ import annotations
@@ -17,26 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def _alternating(fns: dict, rounds: int) -> dict[str, list[float]]:
-    """{name: seconds per turn}, the order reversed every round."""
-    for fn in fns.values():
-        fn()
-    out: dict[str, list[float]] = {n: [] for n in fns}
-    for r in range(rounds):
-        for n in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            out[n].append(_timed(fns[n]))
-    return out
+from labkit.bench.quant import alternate
 
 
 def linears(rounds: int) -> None:
@@ -54,12 +39,12 @@ def linears(rounds: int) -> None:
         for (q, t, s), x in zip(ops, xs):
             assert torch.equal(mod.int8_linear(x, q, s), mod.int8_linear_tiled(x, t, s))
         calls = list(zip(ops, xs))
-        res = _alternating({
+        res = alternate({  # ms per turn of one pass
             "rows": lambda calls=calls: [mod.int8_linear(x, q, s) for (q, _, s), x in calls],
             "tiles": lambda calls=calls: [mod.int8_linear_tiled(x, t, s)
                                           for (_, t, s), x in calls],
-            "probe": lambda: [mod.read_probe(t) for _, t, _ in ops]}, rounds)
-        med = {n: statistics.median(v) for n, v in res.items()}
+            "probe": lambda: [mod.read_probe(t) for _, t, _ in ops]}, rounds, 1)
+        med = {n: statistics.median(v) / 1e3 for n, v in res.items()}
         gain = statistics.median(a / b for a, b in zip(res["rows"], res["tiles"]))
         rate = {n: f"{v * 1e3:.3f} ms ({nbytes / v / 1e9:.1f} GB/s)" for n, v in med.items()}
         print(f"{len(ops)} linears, {m} row(s): rows {rate['rows']}, tiles {rate['tiles']}, "
@@ -76,10 +61,10 @@ def forwards(rounds: int) -> None:
         os.environ["LABKIT_INT8_TILES"] = tiles  # read as each QuantLinear builds its layout
         model, _ = load_model("smollm2-135m", quant="int8", fuse=True)
         step = decode_step(model, 1, 64)
-        steps["tiles" if tiles == "1" else "rows"] = lambda step=step: [step() for _ in range(5)]
+        steps["tiles" if tiles == "1" else "rows"] = step
     with torch.inference_mode():
-        res = _alternating(steps, rounds)
-    med = {n: statistics.median(v) / 5 * 1e3 for n, v in res.items()}
+        res = alternate(steps, rounds, 5)  # each turn: the median ms of 5 forwards
+    med = {n: statistics.median(v) for n, v in res.items()}
     gain = statistics.median(a / b for a, b in zip(res["rows"], res["tiles"]))
     print(f"bare forward at batch 1: rows {med['rows']:.3f} ms, tiles {med['tiles']:.3f} ms; "
           f"tiles {gain:.3f}x faster per round")

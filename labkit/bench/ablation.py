@@ -402,7 +402,8 @@ def main(argv: list[str]) -> int:
     if "dispatch" in f:
         print(f"a batch-1 step: fp32 {f['step_fp32']:.2f} ms, quantized {f['step_quant']:.2f} ms "
               f"= dispatch {f['dispatch']:.2f} ms + bytes at {f['bandwidth_gb_s']:.1f} GB/s; "
-              f"fp32 costs {f['fp32_extra_a']:+.2f} ms/launch {f['fp32_extra_b']:+.4f} ms/token")
+              f"fp32 costs {f['fp32_extra_a']:+.2f} ms/launch {f['fp32_extra_b']:+.4f} ms/token "
+              f"(a line through decode steps of {f['split_rows']} rows and the chunk)")
     print(f"{'setup':<24}{'wall s':>8}{'tok/s':>8}{'launch':>8}{'tokens':>8}{'saved':>7}"
           f"{'preempt':>8}{'measured':>10}{'predicted':>10}{'gain':>7}")
     for r in rows:

@@ -284,6 +284,31 @@ static void int8_into(const float* xp, const int8_t* qp, const float* sp, float*
     }
   });
 }
+// int8_linear on labkit's tiles of the codes (`int8_tiled_layout`: tiles [ceil(N / 6),
+// ceil(K / 32), 6, 32], each 32 codes of 6 rows side by side, zeros where N or K ends). A block of
+// 6 rows is then one run of bytes, read front to back, where on rows [N, K] the tile reads 6
+// runs 32 bytes at a time, K bytes apart. The same sums of the same integers, so the same bits
+// as int8_linear on the rows. Measured (a SmolLM2 step's 121 linears, alternating in one
+// process beside the read probe over the same tensors): 1.05-1.10x int8_linear at 1 row (at
+// 0.91-1.05x the probe's rate), 1.05-1.08x at 2, 1.00x at 4 and more (bound by its dot
+// products there); the whole forward at batch 1 1.085-1.153x. An inner loop that only loaded
+// the codes, with no arithmetic, had read no faster than int8_linear: it was the order of the
+// reads, not the multiplies. Built where the integer dot product is (AVX512-VNNI).
+at::Tensor int8_linear_tiled(at::Tensor x, at::Tensor tiles, at::Tensor s) {
+  const int64_t M = x.size(0), K = x.size(1), N = s.numel();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                  tiles.scalar_type() == at::kChar && tiles.is_contiguous() &&
+                  s.scalar_type() == at::kFloat && tiles.dim() == 4 &&
+                  tiles.size(0) == (N + 5) / 6 && tiles.size(1) == (K + 31) / 32 &&
+                  tiles.size(2) == 6 && tiles.size(3) == 32,
+              "int8_linear_tiled: x [M, K] fp32, tiles [ceil(N / 6), ceil(K / 32), 6, 32] int8, "
+              "s [N] fp32");
+  auto y = at::empty({M, N}, x.options());
+  int8_into(x.data_ptr<float>(), tiles.data_ptr<int8_t>(), s.data_ptr<float>(),
+            y.data_ptr<float>(), M, K, N, /*tiled=*/true);
+  return y;
+}
+
 #else
 static constexpr bool kInt8Dot = false;
 
@@ -294,8 +319,7 @@ static constexpr bool kInt8Dot = false;
 // that stays in L1 and reuse it for every row of x, in tiles of up to 4 x 3 (12 accumulators,
 // 3 weights, 1 x: 16 registers). Both give every output the same sums of the same values.
 static void int8_into(const float* xp, const int8_t* qp, const float* sp, float* yp,
-                      int64_t M, int64_t K, int64_t N, bool tiled = false) {
-  TORCH_CHECK(!tiled, "int8_linear: labkit's tiles are read on the integer dot product only");
+                      int64_t M, int64_t K, int64_t N) {
   const int64_t RN = M < 4 ? 6 : 3;
   const int64_t nblocks = (N + RN - 1) / RN;
   at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
@@ -329,6 +353,10 @@ static void int8_into(const float* xp, const int8_t* qp, const float* sp, float*
   });
 }
 
+at::Tensor int8_linear_tiled(at::Tensor x, at::Tensor tiles, at::Tensor s) {
+  TORCH_CHECK(false, "int8_linear_tiled: this build has no integer dot product (AVX512-VNNI)");
+  return x;
+}
 #endif
 
 // y [M, N] = x [M, K] (fp32, contiguous) times int8 codes q [N, K] and per-row scales s [N],
@@ -340,32 +368,6 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s) {
   auto y = at::empty({M, N}, x.options());
   int8_into(x.data_ptr<float>(), q.data_ptr<int8_t>(), s.data_ptr<float>(), y.data_ptr<float>(),
             M, K, N);
-  return y;
-}
-
-// int8_linear on labkit's tiles of the codes (`int8_tiled_layout`: tiles [ceil(N / 6),
-// ceil(K / 32), 6, 32], each 32 codes of 6 rows side by side, zeros where N or K ends). A block of
-// 6 rows is then one run of bytes, read front to back, where on rows [N, K] the tile reads 6
-// runs 32 bytes at a time, K bytes apart. The same sums of the same integers, so the same bits
-// as int8_linear on the rows. Measured (a SmolLM2 step's 121 linears, alternating in one
-// process beside the read probe over the same tensors): 1.05-1.10x int8_linear at 1 row (at
-// 0.91-1.05x the probe's rate), 1.05-1.08x at 2, 1.00x at 4 and more (bound by its dot
-// products there); the whole forward at batch 1 1.085-1.153x. An inner loop that only loaded
-// the codes, with no arithmetic, had read no faster than int8_linear: it was the order of the
-// reads, not the multiplies. Built where the integer dot product is (AVX512-VNNI).
-at::Tensor int8_linear_tiled(at::Tensor x, at::Tensor tiles, at::Tensor s) {
-  TORCH_CHECK(kInt8Dot, "int8_linear_tiled: this build has no integer dot product (AVX512-VNNI)");
-  const int64_t M = x.size(0), K = x.size(1), N = s.numel();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
-                  tiles.scalar_type() == at::kChar && tiles.is_contiguous() &&
-                  s.scalar_type() == at::kFloat && tiles.dim() == 4 &&
-                  tiles.size(0) == (N + 5) / 6 && tiles.size(1) == (K + 31) / 32 &&
-                  tiles.size(2) == 6 && tiles.size(3) == 32,
-              "int8_linear_tiled: x [M, K] fp32, tiles [ceil(N / 6), ceil(K / 32), 6, 32] int8, "
-              "s [N] fp32");
-  auto y = at::empty({M, N}, x.options());
-  int8_into(x.data_ptr<float>(), tiles.data_ptr<int8_t>(), s.data_ptr<float>(),
-            y.data_ptr<float>(), M, K, N, /*tiled=*/true);
   return y;
 }
 
