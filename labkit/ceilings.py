@@ -30,6 +30,7 @@ from torch.nn import functional as F
 from labkit import claims
 from labkit.model import ModelConfig
 from labkit.roofline import TORCH_DTYPES, Hardware, _hw_key, get_hardware, step_cost
+from labkit.utils import pages
 from labkit.utils.cache import cache_dir
 from labkit.utils.progress import progress
 
@@ -37,7 +38,7 @@ from labkit.utils.progress import progress
 # measured ceilings of this machine
 
 _CEILINGS: dict[str, Hardware] = {}  # in-process cache, keyed like the files on disk
-_CEILINGS_VERSION = 2  # bump when the measurement changes: cached files go stale
+_CEILINGS_VERSION = 3  # bump when the measurement changes: cached files go stale
 
 
 def device_name(device: torch.device) -> str:
@@ -96,9 +97,14 @@ class _CopyProbe:
         # (clone()) would time the page faults of new memory, not the memory itself
         self.device = device
         self.mib = 1024 if device.type == "cuda" else 128
-        self.src = torch.empty(self.mib * 2**20 // 4, dtype=torch.float32,
-                               device=device).fill_(1.0)
-        self.dst = torch.empty_like(self.src).fill_(0.0)
+        # (on a CPU in the pages labkit keeps a model's weights in: labkit.utils.pages)
+        nbytes = self.mib * 2**20
+        if device.type == "cpu":
+            self.src = pages.empty(nbytes).view(torch.float32).fill_(1.0)
+            self.dst = pages.empty(nbytes).view(torch.float32).fill_(0.0)
+        else:
+            self.src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+            self.dst = torch.empty_like(self.src).fill_(0.0)
         self.copy()  # warm-up
         _sync(device)
 
@@ -210,8 +216,9 @@ def measure_ceilings(device: str | torch.device = "cpu", dtypes: Sequence[str] |
         if dt not in TORCH_DTYPES or (dt == "tf32" and dev.type != "cuda"):
             raise ValueError(f"measure_ceilings: cannot measure {dt!r} on {dev.type}")
     # the numbers depend on the chip, the thread count and the library versions
+    # (and on the pages the copy reads: 2 MiB or 4 KiB, labkit.utils.pages)
     ident = json.dumps([_CEILINGS_VERSION, dev.type, device_name(dev), torch.get_num_threads(),
-                        torch.__version__, dtypes, budget_s])
+                        torch.__version__, dtypes, budget_s, pages.huge_pages() is None])
     key = f"ceilings-{dev.type}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
     path = cache_dir() / f"{key}.json"
     if not refresh:

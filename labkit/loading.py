@@ -33,6 +33,7 @@ from labkit.model import LlamaModel, ModelConfig, init_random
 from labkit.tokenizer import Tokenizer, smollm2_tokenizer, tokenizer_from_gguf
 from labkit.utils.cache import build_atomically, cache_entry, packaged_gguf
 from labkit.utils.memory import trim
+from labkit.utils.pages import place_weights
 from labkit.utils.progress import progress
 
 NAMES = ("smollm2-135m", "tiny", "smollm2-135m-random")
@@ -432,8 +433,11 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.fl
         model = _quantized(model, tok, scheme, name_or_path, fuse)
     if fuse:
         model.fuse_projections()  # (a quantized model from the cache is fused already)
-    if scheme is not None or fuse:  # the per-projection tensors that quantizing and fusing
-        trim()  # replaced are freed: their heap pages go back to the system (utils.memory)
+    # the weights in 2 MiB pages, in the order a step reads them (labkit.utils.pages): the
+    # memory-mapped or heap pages they leave go back to the system
+    moved = place_weights(model)["moved"]
+    if scheme is not None or fuse or moved:  # the per-projection tensors
+        trim()  # that quantizing and fusing replaced are freed: heap pages back (utils.memory)
     return model, tok
 
 

@@ -30,6 +30,7 @@ import time
 import torch
 
 from labkit.kernels import cpu as cpu_kernels
+from labkit.utils import pages
 
 # a layer's linears in the order a step calls them, fused (fuse_projections) or not
 LAYER_ORDER = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj",
@@ -77,7 +78,9 @@ class _Pair:
         self.calls = [_call(lin) for lin in lins]
         self.nbytes = sum(_shape(lin)[2] for lin in lins)
         self.probe = cpu_kernels.kernels().read_probe
-        self.buf = torch.ones(self.nbytes, dtype=torch.uint8)  # ones: pages really mapped
+        # in the pages labkit keeps weights in (2 MiB where the kernel gives them: the
+        # fastest read this CPU makes), written so the pages are really mapped
+        self.buf = pages.empty(self.nbytes).fill_(1)
         self.one_pass(), self.read()  # warm: first touches, the thread pool started
 
     def one_pass(self) -> None:

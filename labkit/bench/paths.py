@@ -70,7 +70,23 @@ def kernel_paths(model, attention: str, device: str = "cpu") -> list[tuple[str, 
     else:
         layers = "Python, op by op (DecoderLayer.forward): a linear the C++ stack cannot run"
     out.append(("the layers", layers))
+    out.append(("the weights", weight_pages(model)))
     return out
+
+
+def weight_pages(model) -> str:
+    """The pages `model`'s weights sit in (labkit.utils.pages: what `load_model` placed)."""
+    from labkit.utils import pages
+
+    where = pages.placement(model)
+    if not where["placed"]:
+        small = where["bytes"] < pages.MIN_BYTES
+        why = pages.huge_pages() or (f"under {pages.MIN_BYTES >> 20} MiB, left as they are"
+                                     if small else "not placed: labkit.utils.pages.place_weights")
+        return f"{where['bytes'] / 1e6:.0f} MB as allocated, in 4 KiB pages ({why})"
+    return (f"{where['placed'] / 1e6:.0f} of {where['bytes'] / 1e6:.0f} MB in the step's order "
+            f"in labkit's buffers, {where['huge_bytes'] / 1e6:.0f} MB of them in 2 MiB pages "
+            "(labkit.utils.pages)")
 
 
 def format_paths(paths: list[tuple[str, str]]) -> str:

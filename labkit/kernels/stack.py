@@ -91,6 +91,12 @@ def _key(model) -> list[tuple]:
     return [tuple(layer._modules.values()) for layer in model.layers]
 
 
+def forget(model) -> None:
+    """Drop `model`'s stack, if built: the next forward builds one from the tensors the model
+    holds then (after `labkit.utils.pages.place_weights` moved them)."""
+    _STACKS.pop(model, None)
+
+
 def for_step(model, x: torch.Tensor, attn) -> Callable | None:
     """The call that runs all of `model`'s layers on `x` ([T, d], fp32 CPU) with `attn`, or None
     where the stack does not serve this forward (the caller runs its Python layers)."""

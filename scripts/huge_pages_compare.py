@@ -1,0 +1,101 @@
+"""A model's weights in 2 MiB pages (labkit.utils.pages) against the same weights where loading
+left them (4 KiB pages), side by side in one process (results/cpu-kernels-2026-12-05c.md).
+
+    .venv/bin/python scripts/huge_pages_compare.py [--rounds 9] [--quant int4,int8,none]
+
+1. The read probe (labkit's C++ `read_probe`) over 540 MB in 4 KiB pages and in 2 MiB pages,
+   in one call and in 121 calls of equal parts (a step's count of linears).
+2. For each quantization: the model loaded with LABKIT_HUGE_PAGES=0 (the weights where the
+   cache's memory map or the heap put them) and a deep copy of it placed by
+   `place_weights`; checks that they give the same logits, then times the whole bare forward
+   at batch 1 (context 64) in alternating turns of 5 forwards.
+Turns alternate as every labkit benchmark's (`labkit.bench.quant.alternate`); medians; "per
+round": the median of each round's ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+
+import torch
+
+from labkit.bench.quant import alternate
+
+
+def probe(rounds: int) -> None:
+    from labkit.kernels import cpu as cpu_kernels
+    from labkit.utils import pages
+
+    read = cpu_kernels.kernels().read_probe
+    nbytes = 540_000_000
+    bufs = {"4 KiB": torch.ones(nbytes, dtype=torch.uint8),
+            "2 MiB": pages.empty(nbytes).fill_(1)}
+    print(f"the probe over {nbytes / 1e6:.0f} MB ({pages.huge_bytes(bufs['2 MiB']) / 1e6:.0f} "
+          "MB of the second buffer in huge pages)")
+    for calls in (1, 121):
+        part = nbytes // calls
+
+        def reader(buf):
+            return lambda: [read(buf[i * part:(i + 1) * part]) for i in range(calls)]
+
+        ms = alternate({k: reader(b) for k, b in bufs.items()}, rounds, 3)
+        line = "  ".join(f"{k} {nbytes / statistics.median(v) / 1e6:5.1f} GB/s"
+                         for k, v in ms.items())
+        ratio = statistics.median(a / b for a, b in zip(ms["4 KiB"], ms["2 MiB"]))
+        print(f"  {calls:3d} call(s): {line}  2 MiB faster by {ratio:.3f}x per round")
+
+
+def forward(quant: str, rounds: int) -> None:
+    from labkit.bench.quant import decode_step
+    from labkit.loading import load_model
+    from labkit.utils import pages
+
+    os.environ["LABKIT_HUGE_PAGES"] = "0"
+    try:
+        as_loaded, _ = load_model("smollm2-135m", quant=None if quant == "none" else quant,
+                                  fuse=True)
+    finally:
+        del os.environ["LABKIT_HUGE_PAGES"]
+    placed = copy.deepcopy(as_loaded)
+    done = pages.place_weights(placed)
+    assert done["skipped"] is None, done["skipped"]
+    with torch.inference_mode():
+        ids = torch.tensor([1, 2, 3, 4])
+        from labkit.attention import BACKENDS
+        from labkit.paged_kv import PagedKVCache
+
+        outs = []
+        for m in (as_loaded, placed):
+            cache = PagedKVCache(m.cfg, 4, 16, torch.float32)
+            attn = BACKENDS["paged"](cache)
+            meta = type(attn).meta_type.build(torch.tensor([4]), torch.tensor([0]),
+                                              torch.tensor([[0]]), 16)
+            attn.begin_step(meta)
+            outs.append(m(ids, meta.positions, attn, logit_rows=meta.last_rows))
+        assert torch.equal(outs[0], outs[1]), "placing the weights changed the logits"
+        steps = {"4 KiB": decode_step(as_loaded, 1, 64), "2 MiB": decode_step(placed, 1, 64)}
+        ms = alternate(steps, rounds, 5)
+    med = {k: statistics.median(v) for k, v in ms.items()}
+    ratio = statistics.median(a / b for a, b in zip(ms["4 KiB"], ms["2 MiB"]))
+    print(f"  {quant:5s} bare forward at batch 1: 4 KiB {med['4 KiB']:.2f} ms, 2 MiB "
+          f"{med['2 MiB']:.2f} ms ({done['huge_bytes'] / 1e6:.0f} of {done['bytes'] / 1e6:.0f} "
+          f"MB in huge pages): {ratio:.3f}x per round")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--quant", default="int4,int8,none")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    probe(args.rounds)
+    print("the same logits, bit for bit; the bare forward (context 64) in alternating turns:")
+    for q in args.quant.split(","):
+        forward(q, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

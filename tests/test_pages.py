@@ -1,0 +1,203 @@
+"""labkit.utils.pages: a model's weights copied into buffers on 2 MiB pages change no output,
+keep what models share shared (and never keep another model's buffer for a part of it), and
+are left as they are, with the reason, where huge pages cannot be had."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.bench.paths import weight_pages
+from labkit.kernels import stack as decoder_stack
+from labkit.model import LlamaModel, ModelConfig, init_random
+from labkit.quant import quantize_model
+from labkit.utils import pages
+
+needs_thp = pytest.mark.skipif(pages.huge_pages() is not None,
+                               reason=f"no huge pages here: {pages.huge_pages()}")
+
+
+def _model(quant: str | None = None, fuse: bool = False, seed: int = 3) -> LlamaModel:
+    model = init_random(LlamaModel(ModelConfig.tiny()).eval(), seed=seed).requires_grad_(False)
+    if quant is not None:
+        model = quantize_model(model, quant)
+    if fuse:
+        model.fuse_projections()
+    return model
+
+
+def _logits(model) -> list[torch.Tensor]:
+    """Two steps of two sequences through the paged attention (the decoder stack where labkit's
+    kernels serve, the Python layers elsewhere)."""
+    from labkit.attention import BACKENDS
+    from labkit.paged_kv import PagedKVCache
+
+    cache = PagedKVCache(model.cfg, 16, 4, torch.float32)
+    attn = BACKENDS["paged"](cache)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    gen = torch.Generator().manual_seed(0)
+    lens, starts, out = torch.tensor([5, 7]), torch.tensor([0, 0]), []
+    for _ in range(2):
+        ids = torch.randint(0, model.cfg.vocab_size, (int(lens.sum()),), generator=gen)
+        meta = type(attn).meta_type.build(lens, starts, tables, 4)
+        attn.begin_step(meta)
+        out.append(model(ids, meta.positions, attn, logit_rows=meta.last_rows))
+        starts, lens = starts + lens, torch.tensor([1, 1])
+    return out
+
+
+def _ptrs(model) -> list[int]:
+    return [t.data_ptr() for t in pages._tensors(model)]
+
+
+@needs_thp
+@pytest.mark.parametrize(("quant", "fuse"), [(None, False), (None, True), ("int8", True),
+                                             ("int4-g32", True)])
+def test_placed_weights_give_the_same_logits_bit_for_bit(quant, fuse):
+    model = _model(quant, fuse)
+    want = _logits(model)
+    before = pages.placement(model)
+    assert before["placed"] == 0 and before["bytes"] > 0
+    done = pages.place_weights(model, min_bytes=0)
+    assert done["skipped"] is None and done["moved"] >= done["bytes"] == before["bytes"]
+    assert done["placed"] == done["bytes"]
+    got = _logits(model)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    # one buffer (the tiny model has no tensor of LARGE bytes), in the model's order
+    tensors = pages._tensors(model)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    ptrs = _ptrs(model)
+    assert ptrs == sorted(ptrs) and all(p % pages.ALIGN == 0 for p in ptrs)
+
+
+@needs_thp
+def test_a_layer_stack_built_before_is_rebuilt_from_the_moved_weights():
+    model = _model("int4-g32", True)
+    want = _logits(model)  # builds the decoder stack (where the kernels serve)
+    pages.place_weights(model, min_bytes=0)
+    assert model not in decoder_stack._STACKS  # forgotten: it held the old tensors
+    for g, w in zip(_logits(model), want):
+        assert torch.equal(g, w)
+
+
+@needs_thp
+def test_a_shared_parameter_moves_for_every_holder_and_placing_again_moves_nothing():
+    model = _model()
+    other = torch.nn.Linear(1, 1)
+    other.weight = model.layers[0].down_proj.weight  # the same Parameter object
+    pages.place_weights(model, min_bytes=0)
+    assert other.weight.data_ptr() == model.layers[0].down_proj.weight.data_ptr()
+    assert pages._placed(other.weight) is not None
+    ptrs = _ptrs(model)
+    again = pages.place_weights(model, min_bytes=0)
+    assert again["moved"] == 0 and again["skipped"] == "every weight placed before"
+    assert _ptrs(model) == ptrs
+
+
+@needs_thp
+def test_a_model_holding_part_of_another_models_buffer_gets_its_own_copy():
+    fp32 = _model()
+    pages.place_weights(fp32, min_bytes=0)
+    shared_norm = fp32.layers[0].input_norm
+    # a second model sharing the first one's Parameters (as two loads of one GGUF do), then
+    # fused: it keeps only part of the first model's buffer (norms, o_proj, down_proj, ...)
+    second = LlamaModel(fp32.cfg).eval()
+    second.load_state_dict(dict(fp32.named_parameters()), assign=True)
+    second.requires_grad_(False)
+    assert second.layers[0].input_norm is shared_norm
+    want = _logits(fp32)
+    second.fuse_projections()
+    done = pages.place_weights(second, min_bytes=0)
+    assert done["placed"] == done["bytes"]
+    mine = second.layers[0].input_norm
+    assert mine is not shared_norm and torch.equal(mine, shared_norm)  # a copy of its own
+    assert mine.untyped_storage().data_ptr() != shared_norm.untyped_storage().data_ptr()
+    firsts = {t.untyped_storage().data_ptr() for t in pages._tensors(fp32)}
+    assert not firsts & {t.untyped_storage().data_ptr() for t in pages._tensors(second)}
+    assert fp32.layers[0].input_norm is shared_norm  # the first model untouched
+    for g, w in zip(_logits(fp32), want):
+        assert torch.equal(g, w)
+    for g, w in zip(_logits(second), want):  # fusing changes no output bits (batch-invariant)
+        assert torch.equal(g, w)
+
+
+@needs_thp
+def test_a_large_tensor_gets_a_buffer_of_its_own_and_stays_shared(monkeypatch):
+    monkeypatch.setattr(pages, "LARGE", 64 * 1024)  # the tiny model's embedding is 1 MiB
+    fp32 = _model()
+    pages.place_weights(fp32, min_bytes=0)
+    embed = fp32.embed.weight
+    assert embed.untyped_storage().nbytes() < 2 * embed.numel() * 4 + 4 * pages.HUGE
+    second = LlamaModel(fp32.cfg).eval()
+    second.load_state_dict(dict(fp32.named_parameters()), assign=True)
+    second.fuse_projections()
+    pages.place_weights(second, min_bytes=0)
+    assert second.embed.weight is embed  # its whole buffer is held: shared, not copied
+
+
+@needs_thp
+def test_empty_asks_the_kernel_for_huge_pages():
+    t = pages.empty(8 << 20)
+    assert t.numel() == 8 << 20 and t.dtype == torch.uint8
+    assert t.data_ptr() % pages.HUGE == 0
+    t.fill_(1)
+    assert pages.huge_eligible(t)
+    if "[madvise]" in pages._SETTING.read_text():  # only what is asked for gets them
+        plain = torch.empty(8 << 20, dtype=torch.uint8).fill_(1)
+        assert not pages.huge_eligible(plain)
+
+
+def test_without_huge_pages_nothing_moves_and_the_reason_is_said(monkeypatch, tmp_path):
+    model = _model()
+    ptrs = _ptrs(model)
+    monkeypatch.setenv("LABKIT_HUGE_PAGES", "0")
+    done = pages.place_weights(model, min_bytes=0)
+    assert done["skipped"] == "LABKIT_HUGE_PAGES=0" and done["moved"] == 0
+    assert _ptrs(model) == ptrs
+    assert "LABKIT_HUGE_PAGES=0" in weight_pages(model)
+    assert pages.empty(4 << 20).numel() == 4 << 20  # a plain allocation still
+    monkeypatch.delenv("LABKIT_HUGE_PAGES")
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(pages, "_SETTING", setting)
+    assert "off" in pages.huge_pages()
+    assert pages.place_weights(model, min_bytes=0)["skipped"].startswith("the kernel's")
+    monkeypatch.setattr(pages, "_SETTING", tmp_path / "absent")
+    assert "not readable" in pages.huge_pages()
+    assert _ptrs(model) == ptrs
+
+
+@needs_thp
+def test_a_model_under_the_threshold_is_left_as_it_is():
+    model = _model()
+    ptrs = _ptrs(model)
+    done = pages.place_weights(model)  # the tiny model: ~2 MiB, under MIN_BYTES
+    assert "below 32 MiB" in done["skipped"] and _ptrs(model) == ptrs
+    assert "under 32 MiB" in weight_pages(model)
+
+
+@needs_thp
+def test_placed_weights_can_still_be_shared_with_a_device_process():
+    model = _model("int4-g32", True)
+    want = _logits(model)
+    pages.place_weights(model, min_bytes=0)
+    model.share_memory()  # what labkit.device does before handing the model over
+    assert all(t.is_shared() for t in pages._tensors(model))
+    for g, w in zip(_logits(model), want):
+        assert torch.equal(g, w)
+
+
+@needs_thp
+def test_load_model_places_smollm2_in_huge_pages_in_the_steps_order():
+    from labkit.loading import load_model
+
+    model, _ = load_model("smollm2-135m", quant="int4")
+    where = pages.placement(model)
+    assert where["placed"] == where["bytes"] > 80e6
+    layer = model.layers[3]
+    order = [layer.qkv_proj.kweight, layer.o_proj.kweight,
+             layer.gate_up_proj.kweight, layer.down_proj.kweight]
+    assert [t.data_ptr() for t in order] == sorted(t.data_ptr() for t in order)
+    assert pages.huge_eligible(layer.down_proj.kweight)
+    assert "in 2 MiB pages" in weight_pages(model)
