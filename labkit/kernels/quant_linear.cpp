@@ -210,9 +210,7 @@ static inline void tile_i16(const int16_t* xq, const float* xs, int64_t K, const
   }
   for (int i = 0; i < RM; ++i)
     for (int j = 0; j < RN; ++j) {
-      alignas(64) float l[16];
-      _mm512_store_ps(l, acc[i][j]);
-      float t = sum8(l) + sum8(l + 8);
+      float t = sum16(acc[i][j]);
       if (KB < K) {
         int32_t d = 0;
         for (int64_t k = KB; k < K; ++k) d += (int32_t)xq[i * K + k] * (int32_t)*w.at(j, k);
@@ -376,12 +374,6 @@ bool has_int8_dot() { return kInt8Dot; }
 // ---- fp32, few rows ----
 
 #ifdef __AVX512F__
-// the sum of 16 lanes in one fixed order (two sum8 halves)
-static inline float sum16(__m512 v) {
-  alignas(64) float l[16];
-  _mm512_store_ps(l, v);
-  return sum8(l) + sum8(l + 8);
-}
 
 // RM rows of x against RN fp32 weight rows, 16 lanes: k ascending by 16 into one accumulator,
 // then sum16 (K % 16 == 0). Half the instructions of tile's 8 lanes for the same bytes: the
