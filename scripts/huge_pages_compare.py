@@ -37,11 +37,9 @@ def probe(rounds: int) -> None:
           "MB of the second buffer in huge pages)")
     for calls in (1, 121):
         part = nbytes // calls
-
-        def reader(buf):
-            return lambda: [read(buf[i * part:(i + 1) * part]) for i in range(calls)]
-
-        ms = alternate({k: reader(b) for k, b in bufs.items()}, rounds, 3)
+        views = {k: [b[i * part:(i + 1) * part] for i in range(calls)] for k, b in bufs.items()}
+        ms = alternate({k: (lambda vs=vs: [read(v) for v in vs]) for k, vs in views.items()},
+                       rounds, 3)
         line = "  ".join(f"{k} {nbytes / statistics.median(v) / 1e6:5.1f} GB/s"
                          for k, v in ms.items())
         ratio = statistics.median(a / b for a, b in zip(ms["4 KiB"], ms["2 MiB"]))

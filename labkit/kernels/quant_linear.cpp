@@ -401,18 +401,23 @@ static inline void tile16(const float* x, int64_t ldx, const float* w, int64_t K
 }
 
 // every row of x against RN weight rows in tiles of up to 4 rows of x (RN = 6: 24
-// accumulators, 6 weights and an x: 31 of the 32 vector registers)
+// accumulators, 6 weights and an x: 31 of the 32 vector registers); RN = 16 for one row only
 template <int RN>
 static void rows16(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N,
                    const Ahead& pf = Ahead()) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile16<4, RN>(x + m * K, K, w, K, y + m * N, N, m ? Ahead() : pf);
-  const Ahead& rest = m == 0 ? pf : Ahead();
-  switch (M - m) {
-    case 3: tile16<3, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
-    case 2: tile16<2, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
-    case 1: tile16<1, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
-    default: break;
+  if constexpr (RN > 6) {
+    TORCH_CHECK(M == 1, "rows16: more than 6 weight rows take one row of x");
+    tile16<1, RN>(x, K, w, K, y, N, pf);
+  } else {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile16<4, RN>(x + m * K, K, w, K, y + m * N, N, m ? Ahead() : pf);
+    const Ahead& rest = m == 0 ? pf : Ahead();
+    switch (M - m) {
+      case 3: tile16<3, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
+      case 2: tile16<2, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
+      case 1: tile16<1, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
+      default: break;
+    }
   }
 }
 static constexpr bool kLanes16 = true;
@@ -445,14 +450,19 @@ at::Tensor fp32_linear(at::Tensor x, at::Tensor w) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t RN = 6;
-  const int64_t nblocks = (N + RN - 1) / RN;
   const bool lanes16 = kLanes16 && K % 16 == 0;
+  // one row of x takes 16 weight rows at a time (16 accumulators; the same sums as 6 at a
+  // time: each output's sum never depends on its neighbours): a SmolLM2 step's fp32 linears
+  // at one row 1.04-1.06x faster than 6 at a time, 24 spill registers (0.86x)
+  const int64_t RN = lanes16 && M == 1 ? 16 : 6;
+  const int64_t nblocks = (N + RN - 1) / RN;
   at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
-      const Ahead pf = ahead(wp, RN * K * 4, b, b0, b1, RN * 4);  // units of k: 6 fp32s
-      if (lanes16 && rn == 6) {
+      const Ahead pf = ahead(wp, RN * K * 4, b, b0, b1, RN * 4);  // units of k: RN fp32s
+      if (lanes16 && rn == 16) {
+        rows16<16>(xp, M, K, wp + n0 * K, yp + n0, N, pf);
+      } else if (lanes16 && rn == 6) {
         rows16<6>(xp, M, K, wp + n0 * K, yp + n0, N, pf);
       } else if (lanes16) {
         for (int64_t j = 0; j < rn; ++j) rows16<1>(xp, M, K, wp + (n0 + j) * K, yp + n0 + j, N);
