@@ -165,6 +165,20 @@ static inline void weighted(const float* w, int64_t nk, const float* vp, const i
 #endif
 }
 
+// Asks for the rows of D floats at base + off[p], p < nk (the key or value rows one query reads,
+// scattered through the pool by its pages), at most kPrefetchRowBytes of them, into L2: they
+// are on their way together, not one demand miss after another as the loop reaches each. At
+// decode the pool's rows come from memory (a step's weights have passed through the caches
+// since the layer was last read).
+static constexpr int64_t kPrefetchRowBytes = 256 * 1024;
+static inline void prefetch_rows(const float* base, const int64_t* off, int64_t nk, int64_t D) {
+  const int64_t n = std::min<int64_t>(nk, kPrefetchRowBytes / (D * 4));
+  for (int64_t p = 0; p < n; ++p) {
+    const char* row = reinterpret_cast<const char*>(base + off[p]);
+    for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(row + b, 0, 2);
+  }
+}
+
 // the new tokens' k and v ([T, Hkv, D], rows of any stride) into the pool k, v [S, Hkv, D] at
 // write_slots [T]: one call instead of two index_copy_ a layer
 static inline void write_kv(const at::Tensor& k_new, const at::Tensor& v_new,
