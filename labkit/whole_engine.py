@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from labkit.engine import Engine
 from labkit.loading import load_model
 from labkit.quant import QuantScheme, quantize_model
+from labkit.utils.pages import place_weights
 
 # feature -> (the EngineSetup field, its value when the feature is off)
 FEATURES: dict[str, tuple[str, object]] = {
@@ -115,7 +116,9 @@ class EngineSetup:
         if self.quant is not None:  # quantization replaces the linears in place
             cache = quantized if quantized is not None else {}
             if self.quant not in cache:
-                cache[self.quant] = quantize_model(copy.deepcopy(model), self.quant)
+                quantized_copy = quantize_model(copy.deepcopy(model), self.quant)
+                place_weights(quantized_copy)  # in 2 MiB pages, as load_model places models
+                cache[self.quant] = quantized_copy
             model = cache[self.quant]
         return Engine(model, tokenizer, **self.engine_kwargs(), **engine_kwargs)
 

@@ -201,3 +201,30 @@ def test_load_model_places_smollm2_in_huge_pages_in_the_steps_order():
     assert [t.data_ptr() for t in order] == sorted(t.data_ptr() for t in order)
     assert pages.huge_eligible(layer.down_proj.kweight)
     assert "in 2 MiB pages" in weight_pages(model)
+
+
+@needs_thp
+def test_a_deep_copy_of_a_placed_model_is_not_taken_for_placed():
+    import copy
+
+    model = _model()
+    pages.place_weights(model, min_bytes=0)
+    twin = copy.deepcopy(model)  # its tensors carry the mark, in memory of their own
+    assert pages.placement(twin)["placed"] == 0
+    done = pages.place_weights(twin, min_bytes=0)
+    assert done["moved"] > 0 and done["placed"] == done["bytes"]
+    assert pages.placement(model)["placed"] == pages.placement(model)["bytes"]  # untouched
+
+
+@needs_thp
+def test_a_setups_quantized_copy_is_placed(monkeypatch):
+    from labkit.whole_engine import EngineSetup
+
+    monkeypatch.setattr(pages, "MIN_BYTES", 0)  # the tiny model is ~2 MiB
+
+    fp32 = _model()
+    cache: dict = {}
+    EngineSetup.whole().build(fp32, None, quantized=cache, kv_tokens=64)
+    (copy_,) = cache.values()
+    where = pages.placement(copy_)
+    assert where["placed"] == where["bytes"] > 0

@@ -148,12 +148,17 @@ def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _placed(t: torch.Tensor) -> int | None:
-    """The key of the buffer `place_weights` put `t` in, None if it put it nowhere."""
-    return getattr(t, "_labkit_placed", None)
+    """The key of the buffer `place_weights` put `t` in, None if it is not in one (a deep copy
+    of a placed tensor carries its mark, not its place: the address tells)."""
+    key = getattr(t, "_labkit_placed", None)
+    if key is None or key not in _SPANS:
+        return None
+    lo, hi, _ = _SPANS[key]
+    return key if lo <= t.data_ptr() < hi else None
 
 
-_BYTES: dict[int, int] = {}  # a buffer's key -> the bytes of the tensors placed in it
-_KEYS = itertools.count(1)
+_SPANS: dict[int, tuple[int, int, int]] = {}  # a buffer's key -> (first byte, end, the bytes
+_KEYS = itertools.count(1)  # of the tensors placed in it)
 
 
 def placement(model: torch.nn.Module) -> dict:
@@ -174,15 +179,17 @@ def placement(model: torch.nn.Module) -> dict:
             "huge_bytes": sum(min(b, kb * 1024) for b, kb in per_map.values())}
 
 
-def place_weights(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> dict:
+def place_weights(model: torch.nn.Module, min_bytes: int | None = None) -> dict:
     """Copy `model`'s CPU parameters and buffers into buffers from `empty`, in the model's
     order, and point the model at the copies: one buffer for all but the largest tensors (LARGE
     bytes and more: one each). A Parameter keeps its identity, so a model sharing it (two loads
     of one GGUF share their fp32 weights) reads the copy too. A tensor placed before stays where
     it is, unless `model` holds only part of that tensor's buffer (a quantized model keeps the
     fp32 model's norms): then `model` gets its own copy, so that it never keeps another model's
-    buffer in memory for a part of it. Returns `placement`'s dict with "moved" (the bytes
-    copied now) and "skipped" (why nothing moved, else None)."""
+    buffer in memory for a part of it. Nothing moves for fewer than `min_bytes` (None:
+    MIN_BYTES). Returns `placement`'s dict with "moved" (the bytes copied now) and "skipped"
+    (why nothing moved, else None)."""
+    min_bytes = MIN_BYTES if min_bytes is None else min_bytes
     why = huge_pages()
     tensors = _tensors(model)
     held: dict[int, int] = {}  # key -> this model's bytes in that buffer
@@ -190,7 +197,8 @@ def place_weights(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> dict:
         if (key := _placed(t)) is not None:
             held[key] = held.get(key, 0) + t.numel() * t.element_size()
     # a part of another buffer: copied, and the copy replaces it in this model only
-    apart = {id(t) for t in tensors if (key := _placed(t)) is not None and held[key] < _BYTES[key]}
+    apart = {id(t) for t in tensors
+             if (key := _placed(t)) is not None and held[key] < _SPANS[key][2]}
     todo = [t for t in tensors if _placed(t) is None or id(t) in apart]
     size = lambda t: t.numel() * t.element_size()  # noqa: E731
     total = sum(size(t) for t in todo)
@@ -209,7 +217,7 @@ def place_weights(model: torch.nn.Module, min_bytes: int = MIN_BYTES) -> dict:
         if not group:
             continue
         buf, key = empty(end), next(_KEYS)
-        _BYTES[key] = sum(size(t) for t in group)
+        _SPANS[key] = (buf.data_ptr(), buf.data_ptr() + end, sum(size(t) for t in group))
         with torch.no_grad():
             for t, off in zip(group, offsets):
                 c = buf[off:off + size(t)].view(t.dtype).view(t.shape)
