@@ -12,8 +12,9 @@ from the cache (labkit.loading) are such pages, and so is any tensor torch alloc
 before it in the model's order (a layer's projections, then the next layer's), and asks the
 kernel for 2 MiB pages there (madvise MADV_HUGEPAGE, before the pages are first touched).
 Measured on this course's 2-core VM (results/cpu-kernels-2026-12-05c.md): the read probe over
-540 MB 1.29x faster in 2 MiB pages than in 4 KiB pages, a bare decode step 1.06x (int4) to
-1.09x (fp32) faster; the outputs are the same bits (the same values, the same kernels).
+540 MB 1.09-1.38x faster in 2 MiB pages than in 4 KiB pages with 2 threads (1.6x with one), a
+bare decode step at batch 1 1.05-1.13x faster; the outputs are the same bits (the same values,
+the same kernels).
 
 `LABKIT_HUGE_PAGES=0` keeps the pages the weights were loaded in. Elsewhere than Linux, or
 where the kernel's setting is `[never]`, `place_weights` does nothing and says why
@@ -74,8 +75,9 @@ def empty(nbytes: int) -> torch.Tensor:
     KiB ones where it has none free); else a plain torch allocation."""
     if huge_pages() is not None or nbytes < HUGE:
         return torch.empty(nbytes, dtype=torch.uint8)
-    # torch's allocator, over-allocated by a page: glibc maps a block this large afresh
-    # (above its mmap threshold, at most 32 MiB), so no page of it has been touched yet
+    # torch's allocator, over-allocated by a page: glibc maps a block of 32 MiB or more afresh
+    # (its mmap threshold is at most that), so no page of it has been touched yet; a smaller
+    # one may come from its heap, whose pages touched before stay 4 KiB (`huge_bytes` tells)
     raw = torch.empty(nbytes + HUGE, dtype=torch.uint8)
     start = (-raw.data_ptr()) % HUGE
     span = (nbytes + HUGE - 1) // HUGE * HUGE
