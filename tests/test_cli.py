@@ -196,11 +196,17 @@ def test_bad_input_as_a_real_process(tmp_path):
         assert out == "", name
 
 
-def test_info_prints_versions_threads_device_and_cache():
+def test_info_prints_versions_threads_device_and_cache(monkeypatch, capsys):
+    from labkit.cli import info_main
+
+    monkeypatch.setenv("LABKIT_HUGE_PAGES", "0")
+    assert info_main([]) == 0
+    assert "weight pages  4 KiB as loaded (LABKIT_HUGE_PAGES=0)" in capsys.readouterr().out
+    monkeypatch.delenv("LABKIT_HUGE_PAGES")
     proc = labkit("info")
     assert proc.returncode == 0, proc.stderr
     for field in ("labkit", "python", "torch", "transformers", "threads", "device",
-                  "model package", "model cache"):
+                  "model package", "model cache", "weight pages"):
         assert any(line.startswith(field) for line in proc.stdout.splitlines()), field
 
 
