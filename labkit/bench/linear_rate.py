@@ -33,8 +33,7 @@ from labkit.kernels import cpu as cpu_kernels
 from labkit.utils import pages
 
 # a layer's linears in the order a step calls them, fused (fuse_projections) or not
-LAYER_ORDER = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj",
-               "up_proj", "down_proj")
+LAYER_ORDER = tuple(n for n in pages.READ_ORDER if n.endswith("_proj"))
 TURN_S = 2e-3  # one turn's length: many calls of a small linear, one or two of the head
 
 

@@ -20,20 +20,19 @@ def _libc():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None  # musl has none
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
 
 
-_LIBC = _libc()
+LIBC = _libc()  # the C library on Linux (glibc or musl), else None; labkit.utils.pages uses it
 
 
 def trim() -> bool:
     """Give the C heap's free pages back to the system; whether the allocator could (glibc)."""
-    if _LIBC is None:
+    if not hasattr(LIBC, "malloc_trim"):  # (musl has none)
         return False
-    _LIBC.malloc_trim(0)
+    LIBC.malloc_trim(0)
     return True
 
 

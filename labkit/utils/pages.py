@@ -25,13 +25,14 @@ so a kernel is held against the fastest read this CPU makes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import itertools
 import os
 import sys
 from pathlib import Path
 
 import torch
+
+from labkit.utils.memory import LIBC
 
 HUGE = 2 << 20  # bytes in one huge page on x86-64 and most ARM64 kernels
 MIN_BYTES = 32 << 20  # smaller models are left as they are (they fit the last-level cache)
@@ -41,24 +42,11 @@ _MADV_HUGEPAGE = 14
 _SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc if hasattr(libc, "madvise") else None
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
-
-
 def huge_pages() -> str | None:
     """None where `empty` can ask for 2 MiB pages; else why not (a sentence)."""
     if os.environ.get("LABKIT_HUGE_PAGES", "1") == "0":
         return "LABKIT_HUGE_PAGES=0"
-    if _LIBC is None:
+    if not hasattr(LIBC, "madvise"):
         return f"no madvise on {sys.platform}"
     try:
         setting = _SETTING.read_text().strip()
@@ -80,9 +68,9 @@ def empty(nbytes: int) -> torch.Tensor:
     # one may come from its heap, whose pages touched before stay 4 KiB (`huge_bytes` tells)
     raw = torch.empty(nbytes + HUGE, dtype=torch.uint8)
     start = (-raw.data_ptr()) % HUGE
-    span = (nbytes + HUGE - 1) // HUGE * HUGE
-    if _LIBC.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(span),
-                     _MADV_HUGEPAGE) != 0:  # (EINVAL on a kernel built without THP)
+    span = (raw.numel() - start) // 4096 * 4096  # whole pages, all of them inside `raw`
+    if LIBC.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(span),
+                    _MADV_HUGEPAGE) != 0:  # (EINVAL on a kernel built without THP)
         return torch.empty(nbytes, dtype=torch.uint8)
     return raw[start:start + nbytes]
 
@@ -123,20 +111,20 @@ def huge_eligible(t: torch.Tensor) -> bool:
     return _mapping_of(t.data_ptr(), _mappings()).get("THPeligible") == 1
 
 
-# a decoder layer's tensors in the order its forward reads them (labkit.model.DecoderLayer)
-STEP_ORDER = ("input_norm", "qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "post_attn_norm",
+# a decoder layer's weights in the order its forward reads them, fused or not
+# (labkit.model.DecoderLayer; bench's linear_rate calls the linears in this order too)
+READ_ORDER = ("input_norm", "qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "post_attn_norm",
               "gate_up_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """Every CPU parameter and buffer of `model` once, in the order a step reads them: each
-    layer's (`STEP_ORDER`, then any other), then the rest (the embedding, the final norm, the
-    head). A module that is not a decoder registers them in its own order."""
-    layers = list(getattr(model, "layers", None) or [])
+    layer's (`READ_ORDER`, then any other), then the rest (the embedding, the final
+    norm, the head). A module that is not a decoder registers them in its own order."""
+    rank = {n: i for i, n in enumerate(READ_ORDER)}
     named = []
-    for layer in layers:
+    for layer in getattr(model, "layers", None) or []:
         mine = [*layer.named_parameters(), *layer.named_buffers()]
-        rank = {n: i for i, n in enumerate(STEP_ORDER)}
         named += sorted(mine, key=lambda nt: rank.get(nt[0].split(".")[0], len(rank)))
     named += [*model.named_parameters(), *model.named_buffers()]  # (the layers' are seen)
     seen: set[int] = set()
