@@ -9,6 +9,10 @@ left them (4 KiB pages), side by side in one process (results/cpu-kernels-2026-1
    cache's memory map or the heap put them) and a deep copy of it placed by
    `place_weights`; checks that they give the same logits, then times the whole bare forward
    at batch 1 (context 64) in alternating turns of 5 forwards.
+3. With --pairs N (and nothing else): notebook 03 section 7's claim, one thread over the int4
+   step's 84 MB (`labkit.bench.pages.read_gain`), N estimates with 4 KiB buffers against 2 MiB
+   ones (A/B) and N with both kinds in 4 KiB pages (A/A: what luck alone gives), with one
+   buffer of each kind and with three (the notebook's).
 Turns alternate as every labkit benchmark's (`labkit.bench.quant.alternate`); medians; "per
 round": the median of each round's ratio.
 """
@@ -72,11 +76,31 @@ def forward(quant: str, rounds: int) -> None:
           f"MB in huge pages): {ratio:.3f}x per round")
 
 
+def pairs(trials: int, nbytes: int = 84_000_000) -> None:
+    from labkit import claims
+    from labkit.bench.pages import read_gain
+
+    print(f"one thread over {nbytes / 1e6:.0f} MB (labkit.bench.pages.read_gain), 7 turns an "
+          f"estimate; the medians of {trials} estimates (4 KiB's time over 2 MiB's):")
+    for buffers in (1, 4):
+        for control in (True, False):
+            with claims.torch_threads(1):
+                got = sorted(read_gain(nbytes, buffers, control=control).gain.median
+                             for _ in range(trials))
+            name = "A/A (4 KiB, 4 KiB)" if control else "A/B (4 KiB, 2 MiB)"
+            print(f"  {buffers} of each, {name}: {got[0]:.3f} .. {got[-1]:.3f}  "
+                  f"({', '.join(f'{x:.3f}' for x in got)})", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--quant", default="int4,int8,none")
+    p.add_argument("--pairs", type=int, default=0, help="trials of section 7's claim (0: none)")
     args = p.parse_args()
+    if args.pairs:
+        pairs(args.pairs)
+        return
     torch.set_num_threads(2)
     probe(args.rounds)
     print("the same logits, bit for bit; the bare forward (context 64) in alternating turns:")

@@ -228,3 +228,49 @@ def test_a_setups_quantized_copy_is_placed(monkeypatch):
     (copy_,) = cache.values()
     where = pages.placement(copy_)
     assert where["placed"] == where["bytes"] > 0
+
+
+class _Probe:
+    """A stand-in for labkit's kernels that records which buffer each read_probe call read."""
+
+    def __init__(self):
+        self.reads: list[int] = []
+
+    def read_probe(self, buf):
+        self.reads.append(buf.data_ptr())
+
+
+def test_read_gain_reads_every_buffer_alike_forth_then_back(monkeypatch):
+    from labkit.bench import pages as bench_pages
+    from labkit.kernels import cpu as cpu_kernels
+
+    probe = _Probe()
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: probe)
+    got = bench_pages.read_gain(1 << 20, buffers=4, reads=2, n=3, control=True)
+    assert len(got.gain.samples) == 3 and set(got.rates) == {"4 KiB", "2 MiB"}
+    turn = probe.reads[:len(probe.reads) // 3]
+    assert len(turn) == 2 * 8 * 2 and turn == probe.reads[len(turn):2 * len(turn)]
+    once = turn[::2]  # each buffer's first read of its `reads`
+    assert len(set(once)) == 8 and once == once[::-1]  # all eight, forth then back
+    assert all(turn[i] == turn[i + 1] for i in range(0, len(turn), 2))
+
+
+@needs_thp
+def test_read_gain_compares_4k_pages_with_huge_ones_and_refuses_without_them(monkeypatch):
+    from labkit.bench import pages as bench_pages
+    from labkit.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.kernels() is None:
+        with pytest.raises(RuntimeError, match="not built"):
+            bench_pages.read_gain(4 << 20, buffers=2, reads=1, n=3)
+        return
+    got = bench_pages.read_gain(8 << 20, buffers=2, reads=1, n=3)
+    # the 2 MiB side really sat in 2 MiB pages (where the kernel had free ones: not every one)
+    assert got.huge > 0
+    assert all(x > 0 for x in got.gain.samples) and min(got.rates.values()) > 0
+    with pytest.raises(ValueError, match="positive"):
+        bench_pages.read_gain(4 << 20, buffers=0)
+    monkeypatch.setenv("LABKIT_HUGE_PAGES", "0")
+    with pytest.raises(RuntimeError, match="LABKIT_HUGE_PAGES=0"):
+        bench_pages.read_gain(4 << 20)
+    assert bench_pages.read_gain(1 << 20, buffers=2, reads=1, n=3, control=True).huge == 1.0
