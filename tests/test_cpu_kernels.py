@@ -157,7 +157,8 @@ def test_the_fp32_kernel_equals_torchs_linear(rows, bias, k):
 @pytest.mark.parametrize("k", [100, 576])
 def test_an_fp32_rows_result_does_not_depend_on_the_rows_beside_it(k):
     # a speculative verify of k + 1 rows must score each position as a 1-row step would
-    # 37 rows: blocks of 16 (one row of x, K % 16 == 0) and a tail of 5; of 6 and a tail of 1
+    # 37 rows: one row of x reads them row after row (a run of rows a thread), more rows in
+    # tiles of 6 and a tail of 1
     w = torch.randn(37, k, generator=torch.Generator().manual_seed(5))
     x = torch.randn(14, k, generator=torch.Generator().manual_seed(6))
     alone = torch.cat([built.fp32_linear(x[i:i + 1], w) for i in range(14)])

@@ -401,23 +401,44 @@ static inline void tile16(const float* x, int64_t ldx, const float* w, int64_t K
 }
 
 // every row of x against RN weight rows in tiles of up to 4 rows of x (RN = 6: 24
-// accumulators, 6 weights and an x: 31 of the 32 vector registers); RN = 16 for one row only
+// accumulators, 6 weights and an x: 31 of the 32 vector registers)
 template <int RN>
 static void rows16(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N,
                    const Ahead& pf = Ahead()) {
-  if constexpr (RN > 6) {
-    TORCH_CHECK(M == 1, "rows16: more than 6 weight rows take one row of x");
-    tile16<1, RN>(x, K, w, K, y, N, pf);
-  } else {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile16<4, RN>(x + m * K, K, w, K, y + m * N, N, m ? Ahead() : pf);
-    const Ahead& rest = m == 0 ? pf : Ahead();
-    switch (M - m) {
-      case 3: tile16<3, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
-      case 2: tile16<2, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
-      case 1: tile16<1, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
-      default: break;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile16<4, RN>(x + m * K, K, w, K, y + m * N, N, m ? Ahead() : pf);
+  const Ahead& rest = m == 0 ? pf : Ahead();
+  switch (M - m) {
+    case 3: tile16<3, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
+    case 2: tile16<2, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
+    case 1: tile16<1, RN>(x + m * K, K, w, K, y + m * N, N, rest); break;
+    default: break;
+  }
+}
+
+// One row of x (a decode step at batch 1): weight rows [n0, n1) one after the other, each read
+// front to back, so a thread's share is one stream of bytes, as the read probe's, and it asks
+// for the bytes kRowAhead past the ones it reads. The same sums as tile16's (one accumulator an
+// output, k ascending by 16, sum16): the same bits. With several rows of weights side by side
+// (16 before: 16 streams 4 KiB apart, each 2-6 KiB long) one core read SmolLM2's weights at
+// 0.74x the probe's rate; one after the other, at the probe's rate (a step's fp32 linears,
+// alternating in one process: 1.33-1.38x when the memory is fast, 1.07-1.11x when it is
+// slow, both at 0.98-1.03x the probe). With 2 to 4 rows of x the tiles above stay faster
+// (0.89-0.95x this way).
+static constexpr int64_t kRowAhead = 4096;
+static void row_after_row(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1,
+                          float* y) {
+  // the first kRowAhead bytes, which no read asks for ahead of itself
+  prefetch_bytes(reinterpret_cast<const char*>(w + n0 * K),
+                 std::min<int64_t>(kRowAhead, (n1 - n0) * K * 4));
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      __builtin_prefetch(reinterpret_cast<const char*>(wr + k) + kRowAhead, 0, LK_LOC);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(wr + k), acc);
     }
+    y[n] = sum16(acc);
   }
 }
 static constexpr bool kLanes16 = true;
@@ -425,6 +446,7 @@ static constexpr bool kLanes16 = true;
 template <int RN>
 static void rows16(const float*, int64_t, int64_t, const float*, float*, int64_t,
                    const Ahead& = Ahead()) {}
+static void row_after_row(const float*, int64_t, const float*, int64_t, int64_t, float*) {}
 static constexpr bool kLanes16 = false;
 #endif
 
@@ -433,7 +455,8 @@ static constexpr bool kLanes16 = false;
 // products: at a handful of rows it reads (and at some shapes copies) the weights more than
 // once, and how it sums changes with M. Here every weight row is read from memory once per
 // call, 6 rows at a time against tiles of up to 3 rows of x (4 with AVX-512's 16 lanes, where
-// K % 16 == 0: tile16) (the 6 weight rows come from L1 for every tile after the first), and
+// K % 16 == 0: tile16) (the 6 weight rows come from L1 for every tile after the first; one row
+// of x reads them one after the other, `row_after_row`), and
 // every output is the same sum of the same products whatever M is (the lanes depend on K and
 // the CPU, never on M): a row's result does not depend on how many rows share its step.
 // Measured on SmolLM2's shapes (this course's 2-core VM): with 2 threads torch's linear took
@@ -451,18 +474,19 @@ at::Tensor fp32_linear(at::Tensor x, at::Tensor w) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const bool lanes16 = kLanes16 && K % 16 == 0;
-  // one row of x takes 16 weight rows at a time (16 accumulators; the same sums as 6 at a
-  // time: each output's sum never depends on its neighbours): a SmolLM2 step's fp32 linears
-  // at one row 1.04-1.06x faster than 6 at a time, 24 spill registers (0.86x)
-  const int64_t RN = lanes16 && M == 1 ? 16 : 6;
+  if (lanes16 && M == 1) {  // each thread an equal run of weight rows, read row after row
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      row_after_row(xp, K, wp, n0, n1, yp);
+    });
+    return y;
+  }
+  constexpr int64_t RN = 6;
   const int64_t nblocks = (N + RN - 1) / RN;
   at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
       const Ahead pf = ahead(wp, RN * K * 4, b, b0, b1, RN * 4);  // units of k: RN fp32s
-      if (lanes16 && rn == 16) {
-        rows16<16>(xp, M, K, wp + n0 * K, yp + n0, N, pf);
-      } else if (lanes16 && rn == 6) {
+      if (lanes16 && rn == 6) {
         rows16<6>(xp, M, K, wp + n0 * K, yp + n0, N, pf);
       } else if (lanes16) {
         for (int64_t j = 0; j < rn; ++j) rows16<1>(xp, M, K, wp + (n0 + j) * K, yp + n0 + j, N);
