@@ -111,6 +111,29 @@ def test_stack_follows_the_model_when_its_modules_change():
 
 
 @needs_kernels
+def test_a_swapped_module_rebuilds_the_stack_and_an_unchanged_model_is_not_rechecked(
+        monkeypatch):
+    model = _model(None, False)
+    attn = _attn_for(model, "paged")
+    x = torch.randn(1, model.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    assert decoder_stack.for_step(model, x, attn) is not None
+    first = decoder_stack._STACKS[model]
+
+    def no_key(m):
+        raise AssertionError("the key was read with no module registered since")
+    monkeypatch.setattr(decoder_stack, "_key", no_key)
+    assert decoder_stack.for_step(model, x, attn) is not None  # nothing changed: not re-read
+    assert decoder_stack._STACKS[model] is first
+    monkeypatch.undo()
+    old = model.layers[0].o_proj
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    new.weight.data.copy_(2 * old.weight)
+    model.layers[0].o_proj = new  # a registration: the stack is checked, and rebuilt
+    decoder_stack.for_step(model, x, attn)
+    assert decoder_stack._STACKS[model][1] is not first[1]
+
+
+@needs_kernels
 def test_stack_reports_the_time_spent_in_kernels():
     model = _model("int8", True)
     attn = _attn_for(model, "paged")

@@ -23,7 +23,19 @@ from torch import nn
 
 from labkit.kernels import cpu as cpu_kernels
 
-_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, stack)
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, stack, edits)
+# Every module registration in the process (a submodule set, replaced or added: what
+# quantize_model, fuse_projections or a hand-made swap do) counts here; a stack's key is read
+# again only when the count moved since it was last checked. Reading it every forward cost
+# ~50 us at batch 1: 30 layers' dicts, on caches the weights just swept (~5 us when hot).
+_EDITS = [0]
+
+
+def _count_edit(module, name, submodule) -> None:
+    _EDITS[0] += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_count_edit)
 _state = {"enabled": os.environ.get("LABKIT_DECODER_STACK", "1") != "0", "profile": False,
           "kernel_s": 0.0}
 _KINDS = {"int8_linear": 1, "int4_linear": 2, "int4_linear_bf16": 3,  # decoder_stack.cpp
@@ -106,10 +118,13 @@ def for_step(model, x: torch.Tensor, attn) -> Callable | None:
     args = args_of(x) if args_of is not None else None
     if args is None:
         return None
-    key = _key(model)
     entry = _STACKS.get(model)
-    if entry is None or entry[0] != key:
-        entry = (key, _build(model, cpu_kernels.kernels()))
+    if entry is None or entry[2] != _EDITS[0]:  # new, or modules registered since: re-check
+        key = _key(model)
+        if entry is None or entry[0] != key:
+            entry = (key, _build(model, cpu_kernels.kernels()), _EDITS[0])
+        else:
+            entry = (key, entry[1], _EDITS[0])
         _STACKS[model] = entry
     stack = entry[1]
     if stack is None:
