@@ -344,6 +344,10 @@ class LlamaModel(nn.Module):
         """Logits of the packed tokens (only `logit_rows` of them, if given): [R, V]."""
         # input_ids, positions: [T]; logit_rows: [R] indices into T (usually each sequence's
         # last token: the others' logits are never sampled, and the head is the largest matmul)
+        whole = decoder_stack.for_logits(self, attn)  # all of it in one C++ call, where
+        if whole is not None:  # labkit's kernels serve: the same ops as below, bit for bit
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, positions)
+            return whole(input_ids, cos, sin, logit_rows)
         x = self.hidden(input_ids, positions, attn, normed=False)
         if logit_rows is not None:
             x = x[logit_rows]

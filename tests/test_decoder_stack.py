@@ -69,6 +69,51 @@ def test_stack_equals_the_python_layers_bit_for_bit(backend, quant, fuse, bias):
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # the same KV
 
 
+def _all_rows(model, backend: str):
+    """A prefill of two sequences (5 and 7 tokens) with every row's logits: [12, V]."""
+    cache = PagedKVCache(model.cfg, 16, BLOCK, torch.float32)
+    attn = FlashAttention(cache) if backend == "flash" else BACKENDS[backend](cache)
+    meta_type = FlashMeta if backend == "flash" else type(attn).meta_type
+    meta = meta_type.build(torch.tensor([5, 7]), torch.tensor([0, 0]),
+                           torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]), BLOCK)
+    attn.begin_step(meta)
+    ids = torch.randint(0, model.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
+    return model(ids, meta.positions, attn), attn
+
+
+@needs_kernels
+@pytest.mark.parametrize("quant", [None, "int4-g32"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_whole_forward_in_one_call_equals_the_python_path(quant, tied):
+    # the embedding, the layers, the final norm and the head in C++ (for_logits): every row's
+    # logits, a tied or an untied head, fp32 or quantized, the Python path's bits
+    cfg = ModelConfig.tiny().with_(tie_embeddings=tied)
+    model = init_random(LlamaModel(cfg).eval(), seed=5)
+    if quant is not None:
+        model = quantize_model(model, quant)
+    with decoder_stack.disabled():
+        want, _ = _all_rows(model, "paged")
+    got, attn = _all_rows(model, "paged")
+    assert decoder_stack.for_logits(model, attn) is not None  # it ran
+    assert got.shape == (12, cfg.vocab_size) and torch.equal(got, want)
+
+
+@needs_kernels
+def test_a_hook_on_the_head_or_the_embedding_keeps_the_python_path():
+    model = _model(None, False)
+    _, attn = _all_rows(model, "paged")
+    assert decoder_stack.for_logits(model, attn) is not None
+    seen = []
+    handle = model.embed.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    assert decoder_stack.for_logits(model, attn) is None
+    got, _ = _all_rows(model, "paged")  # the layers still in C++, the ends in Python
+    assert seen == [(12, model.cfg.hidden_size)]
+    handle.remove()
+    with decoder_stack.disabled():
+        want, _ = _all_rows(model, "paged")
+    assert torch.equal(got, want)
+
+
 def _attn_for(model, backend):
     cache = PagedKVCache(model.cfg, 16, BLOCK, torch.float32)
     attn = FlashAttention(cache) if backend == "flash" else BACKENDS[backend](cache)

@@ -8,8 +8,9 @@ adds around the model.
 
 Then the bare forward split: its layers as one C++ call (`labkit.kernels.stack`, the default
 where labkit's kernels serve) against the Python layers, in alternating turns, and how much of
-the C++ forward is spent in kernels (timed inside the stack, plus the head) and how much
-between them (embedding, RoPE tables, the one call).
+the C++ forward is spent in kernels (timed inside the stack, the final norm and the head
+among them where the whole forward is one call) and how much between them (RoPE's rows, the
+one call).
 
 Then a per-phase table (of the Python layers) from timed sections of profiled steps: the bench
 wraps the engine's, the runner's and the model's pieces on *this engine instance* with timers
@@ -169,7 +170,9 @@ def forward_split(model, batch: int, context: int, steps: int) -> dict:
                 t0 = time.perf_counter()
                 step()
                 wall = time.perf_counter() - t0
-            inside = prof["kernel_s"] + head.s["head"]  # the layers' kernels, then the head
+            # the kernels timed inside the stack (the head among them where the whole forward
+            # is one C++ call, `for_logits`), plus the head where Python called it
+            inside = prof["kernel_s"] + head.s.get("head", 0.0)
             kernels.append(inside)
             between.append(max(wall - inside, 0.0))
             share.append(between[-1] / wall)

@@ -73,6 +73,43 @@ class DecoderStack {
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
 
+  // The model's ends, for `logits`: the embedding [V, d], the final norm [d] and the head
+  // (kind, a, b, bias) as add_layer's linears (a tied head: kind 0 over the embedding itself)
+  void set_ends(at::Tensor embed, at::Tensor final_norm,
+                std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor> head) {
+    auto& [kind, a, b, bias] = head;
+    TORCH_CHECK(kind >= 0, "set_ends: a head is required");
+    embed_ = embed;
+    final_norm_ = final_norm;
+    head_.kind = kind;
+    head_.a = a;
+    head_.b = b;
+    head_.bias = bias.numel() > 0 ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+    has_ends_ = true;
+  }
+
+  bool has_ends() const { return has_ends_; }
+
+  // LlamaModel.forward in one call: the tokens' embedding, every layer (`forward`), the rows
+  // whose logits are wanted (`rows`; empty: every row), the final norm and the head: [R, V],
+  // the Python path's bits. At batch 1 the embedding, the row select, the norm and the head's
+  // dispatch took ~0.1 ms of Python on caches the weights had just swept.
+  at::Tensor logits(at::Tensor ids, at::Tensor cos, at::Tensor sin, int64_t attention,
+                    at::Tensor write_slots, std::vector<at::Tensor> k_layers,
+                    std::vector<at::Tensor> v_layers, at::Tensor ctx_slots,
+                    at::Tensor block_tables, int64_t block_size, int64_t tile,
+                    at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
+                    at::Tensor rows, bool profile) {
+    TORCH_CHECK(has_ends_, "DecoderStack.logits: set_ends first");
+    at::Tensor x = at::embedding(embed_, ids);
+    x = forward(x, cos, sin, attention, write_slots, std::move(k_layers), std::move(v_layers),
+                ctx_slots, block_tables, block_size, tile, q_index, query_lens, positions,
+                profile);  // (forward zeroes the kernel time: what follows adds to it)
+    if (rows.numel() > 0) x = x.index_select(0, rows);
+    at::Tensor h = timed([&] { return rms_norm(x, final_norm_, eps_); });
+    return linear(head_, h);
+  }
+
   // Seconds the last `forward` spent inside kernels and aten calls (with `profile`), so that
   // forward time minus this is what remains between them.
   double kernel_seconds() const { return kernel_s_; }
@@ -188,6 +225,9 @@ class DecoderStack {
   int64_t H_, Hkv_, D_, F_;
   double eps_;
   std::vector<Layer> layers_;
+  at::Tensor embed_, final_norm_;
+  Linear head_;
+  bool has_ends_ = false;
   bool profile_ = false;
   double kernel_s_ = 0.0;
 };
@@ -197,6 +237,9 @@ void bind_decoder_stack(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("num_layers", &DecoderStack::num_layers)
+      .def("set_ends", &DecoderStack::set_ends)
+      .def("has_ends", &DecoderStack::has_ends)
+      .def("logits", &DecoderStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("kernel_seconds", &DecoderStack::kernel_seconds)
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -43,6 +43,7 @@ _KINDS = {"int8_linear": 1, "int4_linear": 2, "int4_linear_bf16": 3,  # decoder_
 _LINEARS = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj",
             "up_proj", "down_proj")
 _NONE = torch.empty(0)
+_NONE_ROWS = torch.empty(0, dtype=torch.long)  # logits of every row
 
 
 def enabled() -> bool:
@@ -86,6 +87,11 @@ def _build(model, module):
         if any(x is None for x in lins):
             return None
         stack.add_layer(layer.input_norm, layer.post_attn_norm, lins)
+    # the ends (for_logits), where the head has a C++ path: tied, the embedding itself
+    head = ((0, model.embed.weight, _NONE, _NONE) if model.lm_head is None
+            else _linear_args(model.lm_head))
+    if head is not None and head[0] >= 0:
+        stack.set_ends(model.embed.weight, model.final_norm, head)
     return stack
 
 
@@ -100,7 +106,8 @@ def _key(model) -> list[tuple]:
     """What the stack was built from: every layer's submodules (a replaced module, a quantized
     or fused model needs a new stack). Checked every forward, so it must be cheap: ~10 us for
     30 layers, where reading each linear by name took ~0.3 ms."""
-    return [tuple(layer._modules.values()) for layer in model.layers]
+    return [tuple(model._modules.values())] + [tuple(layer._modules.values())
+                                                for layer in model.layers]
 
 
 def forget(model) -> None:
@@ -109,9 +116,9 @@ def forget(model) -> None:
     _STACKS.pop(model, None)
 
 
-def for_step(model, x: torch.Tensor, attn) -> Callable | None:
-    """The call that runs all of `model`'s layers on `x` ([T, d], fp32 CPU) with `attn`, or None
-    where the stack does not serve this forward (the caller runs its Python layers)."""
+def _served(model, x: torch.Tensor, attn) -> tuple | None:
+    """(the stack, the attention's arguments) where the stack serves a forward of `model` on
+    x-like tensors (fp32 CPU) with `attn`, else None."""
     if not _state["enabled"] or cpu_kernels.usable(x) is None:
         return None
     args_of = getattr(attn, "stack_args", None)
@@ -126,13 +133,47 @@ def for_step(model, x: torch.Tensor, attn) -> Callable | None:
         else:
             entry = (key, entry[1], _EDITS[0])
         _STACKS[model] = entry
-    stack = entry[1]
-    if stack is None:
+    return None if entry[1] is None else (entry[1], args)
+
+
+def for_step(model, x: torch.Tensor, attn) -> Callable | None:
+    """The call that runs all of `model`'s layers on `x` ([T, d], fp32 CPU) with `attn`, or None
+    where the stack does not serve this forward (the caller runs its Python layers)."""
+    served = _served(model, x, attn)
+    if served is None:
         return None
+    stack, args = served
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         profile = _state["profile"]
         out = stack.forward(x, cos, sin, *args, profile)
+        if profile:
+            _state["kernel_s"] += stack.kernel_seconds()
+        return out
+
+    return run
+
+
+def _hooked(module: nn.Module | None) -> bool:
+    return module is not None and bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def for_logits(model, attn) -> Callable | None:
+    """The call that runs `model`'s whole forward (LlamaModel.forward: the embedding, every
+    layer, the rows wanted, the final norm, the head) in C++ with `attn`, or None where the
+    stack does not serve it: then `for_step` may still serve the layers. Not where the
+    embedding or the head has hooks (the Python path calls them as modules, so hooks run)."""
+    if _hooked(model.embed) or _hooked(model.lm_head):
+        return None
+    served = _served(model, model.embed.weight, attn)  # the embedding's rows are like it
+    if served is None or not served[0].has_ends():
+        return None
+    stack, args = served
+
+    def run(ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            rows: torch.Tensor | None) -> torch.Tensor:
+        profile = _state["profile"]
+        out = stack.logits(ids, cos, sin, *args, _NONE_ROWS if rows is None else rows, profile)
         if profile:
             _state["kernel_s"] += stack.kernel_seconds()
         return out
