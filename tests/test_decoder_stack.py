@@ -69,8 +69,9 @@ def test_stack_equals_the_python_layers_bit_for_bit(backend, quant, fuse, bias):
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # the same KV
 
 
-def _all_rows(model, backend: str):
-    """A prefill of two sequences (5 and 7 tokens) with every row's logits: [12, V]."""
+def _all_rows(model, backend: str, rows: torch.Tensor | None = None):
+    """A prefill of two sequences (5 and 7 tokens) with the logits of `rows` (None: every
+    row's, [12, V])."""
     cache = PagedKVCache(model.cfg, 16, BLOCK, torch.float32)
     attn = FlashAttention(cache) if backend == "flash" else BACKENDS[backend](cache)
     meta_type = FlashMeta if backend == "flash" else type(attn).meta_type
@@ -78,7 +79,7 @@ def _all_rows(model, backend: str):
                            torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]), BLOCK)
     attn.begin_step(meta)
     ids = torch.randint(0, model.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
-    return model(ids, meta.positions, attn), attn
+    return model(ids, meta.positions, attn, logit_rows=rows), attn
 
 
 @needs_kernels
@@ -96,6 +97,14 @@ def test_the_whole_forward_in_one_call_equals_the_python_path(quant, tied):
     got, attn = _all_rows(model, "paged")
     assert decoder_stack.for_logits(model, attn) is not None  # it ran
     assert got.shape == (12, cfg.vocab_size) and torch.equal(got, want)
+    # rows as Python indexes them: none at all (a step whose prompts are all mid-chunk), a
+    # negative one, a mask
+    for rows in (torch.tensor([], dtype=torch.long), torch.tensor([-1, 3]),
+                 torch.arange(12) % 5 == 0):
+        with decoder_stack.disabled():
+            want, _ = _all_rows(model, "paged", rows)
+        got, _ = _all_rows(model, "paged", rows)
+        assert got.shape == want.shape and torch.equal(got, want), rows
 
 
 @needs_kernels

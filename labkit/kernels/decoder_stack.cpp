@@ -91,7 +91,8 @@ class DecoderStack {
   bool has_ends() const { return has_ends_; }
 
   // LlamaModel.forward in one call: the tokens' embedding, every layer (`forward`), the rows
-  // whose logits are wanted (`rows`; empty: every row), the final norm and the head: [R, V],
+  // whose logits are wanted (`rows`, indexed as Python's x[rows]; None: every row), the final
+  // norm and the head: [R, V],
   // the Python path's bits. At batch 1 the embedding, the row select, the norm and the head's
   // dispatch took ~0.1 ms of Python on caches the weights had just swept.
   at::Tensor logits(at::Tensor ids, at::Tensor cos, at::Tensor sin, int64_t attention,
@@ -99,13 +100,13 @@ class DecoderStack {
                     std::vector<at::Tensor> v_layers, at::Tensor ctx_slots,
                     at::Tensor block_tables, int64_t block_size, int64_t tile,
                     at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
-                    at::Tensor rows, bool profile) {
+                    c10::optional<at::Tensor> rows, bool profile) {
     TORCH_CHECK(has_ends_, "DecoderStack.logits: set_ends first");
     at::Tensor x = at::embedding(embed_, ids);
     x = forward(x, cos, sin, attention, write_slots, std::move(k_layers), std::move(v_layers),
                 ctx_slots, block_tables, block_size, tile, q_index, query_lens, positions,
                 profile);  // (forward zeroes the kernel time: what follows adds to it)
-    if (rows.numel() > 0) x = x.index_select(0, rows);
+    if (rows) x = x.index({*rows});  // what x[logit_rows] does (negative rows, masks)
     at::Tensor h = timed([&] { return rms_norm(x, final_norm_, eps_); });
     return linear(head_, h);
   }

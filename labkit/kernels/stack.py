@@ -43,7 +43,6 @@ _KINDS = {"int8_linear": 1, "int4_linear": 2, "int4_linear_bf16": 3,  # decoder_
 _LINEARS = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj",
             "up_proj", "down_proj")
 _NONE = torch.empty(0)
-_NONE_ROWS = torch.empty(0, dtype=torch.long)  # logits of every row
 
 
 def enabled() -> bool:
@@ -104,8 +103,9 @@ def supports(model) -> bool:
 
 def _key(model) -> list[tuple]:
     """What the stack was built from: every layer's submodules (a replaced module, a quantized
-    or fused model needs a new stack). Checked every forward, so it must be cheap: ~10 us for
-    30 layers, where reading each linear by name took ~0.3 ms."""
+    or fused model needs a new stack), and the model's own (the embedding, the head). Read
+    after any module registration (`_EDITS`), so it must be cheap: ~10 us for 30 layers, where
+    reading each linear by name took ~0.3 ms."""
     return [tuple(model._modules.values())] + [tuple(layer._modules.values())
                                                 for layer in model.layers]
 
@@ -173,7 +173,7 @@ def for_logits(model, attn) -> Callable | None:
     def run(ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             rows: torch.Tensor | None) -> torch.Tensor:
         profile = _state["profile"]
-        out = stack.logits(ids, cos, sin, *args, _NONE_ROWS if rows is None else rows, profile)
+        out = stack.logits(ids, cos, sin, *args, rows, profile)
         if profile:
             _state["kernel_s"] += stack.kernel_seconds()
         return out
