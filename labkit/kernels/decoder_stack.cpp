@@ -90,11 +90,11 @@ class DecoderStack {
 
   bool has_ends() const { return has_ends_; }
 
-  // LlamaModel.forward in one call: the tokens' embedding, every layer (`forward`), the rows
-  // whose logits are wanted (`rows`, indexed as Python's x[rows]; None: every row), the final
-  // norm and the head: [R, V],
-  // the Python path's bits. At batch 1 the embedding, the row select, the norm and the head's
-  // dispatch took ~0.1 ms of Python on caches the weights had just swept.
+  // LlamaModel.forward in one call: the tokens' embedding, every layer (`forward`, whose
+  // arguments follow ids), the rows whose logits are wanted (`rows`, indexed as Python's
+  // x[rows]; None: every row), the final norm and the head: [R, V], the Python path's bits.
+  // At batch 1 the embedding, the row select, the norm and the head's dispatch took ~0.1 ms of
+  // Python on caches the weights had just swept.
   at::Tensor logits(at::Tensor ids, at::Tensor cos, at::Tensor sin, int64_t attention,
                     at::Tensor write_slots, std::vector<at::Tensor> k_layers,
                     std::vector<at::Tensor> v_layers, at::Tensor ctx_slots,
