@@ -546,6 +546,25 @@ def test_rms_norm_rope_and_silu_mul_equal_the_torch_ops(monkeypatch, rows, d):
     torch.testing.assert_close(silu_mul(gate, up), F.silu(gate) * up)
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows,d", [(1, 576), (5, 64), (3, 20)])
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(rows, d):
+    # the decoder stack's residual add and the norm after it, in one call
+    gen = torch.Generator().manual_seed(rows)
+    x, r, w = (torch.randn(rows, d, generator=gen) * 3, torch.randn(rows, d, generator=gen),
+               torch.randn(d, generator=gen))
+    want_s = x + r
+    want_y = built.rms_norm(want_s, w, 1e-5)
+    before = x.clone()
+    s, y = built.add_rms_norm(x, r, w, 1e-5, False)  # a new sum: x untouched
+    assert torch.equal(s, want_s) and torch.equal(y, want_y) and torch.equal(x, before)
+    assert s.data_ptr() != x.data_ptr()
+    s, y = built.add_rms_norm(x, r, w, 1e-5, True)  # in place: the sum is x itself
+    assert s.data_ptr() == x.data_ptr() and torch.equal(x, want_s) and torch.equal(y, want_y)
+    with pytest.raises(RuntimeError, match="add_rms_norm"):
+        built.add_rms_norm(x, r[:, :-1].contiguous(), w, 1e-5, False)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_rope_rows_from_the_table_are_the_formulas_values(monkeypatch, threads):
     # the CPU table (built in small calls, then indexed) gives each position exactly what the

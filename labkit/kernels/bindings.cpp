@@ -15,6 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_attention", &flash_attention,
         "attention over the KV pool a tile of pages at a time, online softmax, split-K decode");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
+  m.def("add_rms_norm", &add_rms_norm, "x + r (in place, or new) and its RMSNorm, in one call");
   m.def("rope", &rope, "rotary position embedding of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   bind_decoder_stack(m);  // DecoderStack: every layer of a decoder in one call

@@ -130,9 +130,10 @@ class DecoderStack {
     profile_ = profile;
     const int64_t t = x.size(0);
     const double scale = 1.0 / std::sqrt((double)D_);
+    at::Tensor h;  // the next layer's normed input, where the add before it made it
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      at::Tensor h = timed([&] { return rms_norm(x, l.input_norm, eps_); });
+      if (i == 0) h = timed([&] { return rms_norm(x, l.input_norm, eps_); });
       // q, k, v, gate and up may be windows into qkv, qk and gu (not owning their memory):
       // those three live until the layer's end
       at::Tensor q, k, v, qkv, qk, gu;
@@ -162,8 +163,8 @@ class DecoderStack {
                                      positions, scale);
       });
       at::Tensor proj = linear(l.o, window(o, 0, {t, H_ * D_}, {H_ * D_, 1}));  // o: contiguous
-      x = timed([&] { return x + proj; });  // a new x: the embedding is not ours to change
-      h = timed([&] { return rms_norm(x, l.post_norm, eps_); });
+      // x + proj (a new x: the embedding is not ours to change), and its norm, in one call
+      std::tie(x, h) = timed2([&] { return add_rms_norm(x, proj, l.post_norm, eps_, false); });
       at::Tensor gate, up;
       if (l.gate_up.kind >= 0) {
         gu = linear(l.gate_up, h);  // [T, 2F]: two slices
@@ -175,12 +176,26 @@ class DecoderStack {
       }
       at::Tensor act = timed([&] { return silu_mul(gate, up); });
       at::Tensor down = linear(l.down, act);
-      timed([&] { return x.add_(down); });
+      if (i + 1 < layers_.size()) {  // x += down, and the next layer's input norm
+        const at::Tensor& next_norm = layers_[i + 1].input_norm;
+        std::tie(x, h) = timed2([&] { return add_rms_norm(x, down, next_norm, eps_, true); });
+      } else {
+        timed([&] { return x.add_(down); });
+      }
     }
     return x;
   }
 
  private:
+  template <typename Fn>
+  std::tuple<at::Tensor, at::Tensor> timed2(Fn&& fn) {
+    if (!profile_) return fn();
+    const auto t0 = Clock::now();
+    auto out = fn();
+    kernel_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+    return out;
+  }
+
   template <typename Fn>
   at::Tensor timed(Fn&& fn) {
     if (!profile_) return fn();

@@ -24,6 +24,8 @@ at::Tensor flash_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
                            at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
                            double scale);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
+                                                const at::Tensor& w, double eps, bool in_place);
 at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
 void bind_decoder_stack(pybind11::module& m);

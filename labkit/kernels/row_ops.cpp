@@ -2,6 +2,13 @@
 
 // ---- the small per-row ops of a layer, one call each instead of 3 to 9 dispatched ops ----
 
+// one row of RMSNorm: yr = xr / sqrt(sum(xr^2) / d + eps) * w
+static inline void norm_row(const float* xr, const float* wp, int64_t d, double eps, float* yr) {
+  const float ss = dot(xr, xr, d);  // fixed lane order, as everywhere here
+  const float inv = 1.0f / std::sqrt(ss / (float)d + (float)eps);
+  for (int64_t i = 0; i < d; ++i) yr[i] = (xr[i] * inv) * wp[i];
+}
+
 // y = x / sqrt(sum(x^2) / d + eps) * w for each row of x [R, d] (contiguous)
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.dim() == 1 &&
@@ -12,15 +19,35 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * d;
-      const float ss = dot(xr, xr, d);  // fixed lane order, as everywhere here
-      const float inv = 1.0f / std::sqrt(ss / (float)d + (float)eps);
-      float* yr = yp + r * d;
-      for (int64_t i = 0; i < d; ++i) yr[i] = (xr[i] * inv) * wp[i];
-    }
+    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * d, wp, d, eps, yp + r * d);
   });
   return y;
+}
+
+// A layer's residual add and the RMSNorm after it in one call (DecoderStack): s = x + r, into
+// `out` (x itself, or a new tensor), and rms_norm(s, w): the same adds (fp32, one rounding each,
+// as at::add's) and the same norm as the two calls, without a dispatch and an allocation
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
+                                                const at::Tensor& w, double eps, bool in_place) {
+  TORCH_CHECK(x.is_contiguous() && r.is_contiguous() && x.sizes() == r.sizes() &&
+              w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0),
+              "add_rms_norm: x, r [..., d] contiguous, w [d]");
+  const int64_t d = w.size(0), R = x.numel() / std::max<int64_t>(d, 1);
+  at::Tensor s = in_place ? x : at::empty_like(x);
+  auto y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* rp = r.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* sp = s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row) {
+      float* sr = sp + row * d;
+      for (int64_t i = 0; i < d; ++i) sr[i] = xp[row * d + i] + rp[row * d + i];
+      norm_row(sr, wp, d, eps, yp + row * d);
+    }
+  });
+  return {s, y};
 }
 
 // rotary embedding: out[t, h, i] = x[t, h, i] cos[t, i] + x[t, h, (i + D/2) % D] sin[t, i],
