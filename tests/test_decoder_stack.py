@@ -69,7 +69,7 @@ def test_stack_equals_the_python_layers_bit_for_bit(backend, quant, fuse, bias):
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # the same KV
 
 
-def _all_rows(model, backend: str, rows: torch.Tensor | None = None):
+def _prefill_logits(model, backend: str, rows: torch.Tensor | None = None):
     """A prefill of two sequences (5 and 7 tokens) with the logits of `rows` (None: every
     row's, [12, V])."""
     cache = PagedKVCache(model.cfg, 16, BLOCK, torch.float32)
@@ -93,8 +93,8 @@ def test_the_whole_forward_in_one_call_equals_the_python_path(quant, tied):
     if quant is not None:
         model = quantize_model(model, quant)
     with decoder_stack.disabled():
-        want, _ = _all_rows(model, "paged")
-    got, attn = _all_rows(model, "paged")
+        want, _ = _prefill_logits(model, "paged")
+    got, attn = _prefill_logits(model, "paged")
     assert decoder_stack.for_logits(model, attn) is not None  # it ran
     assert got.shape == (12, cfg.vocab_size) and torch.equal(got, want)
     # rows as Python indexes them: none at all (a step whose prompts are all mid-chunk), a
@@ -102,24 +102,24 @@ def test_the_whole_forward_in_one_call_equals_the_python_path(quant, tied):
     for rows in (torch.tensor([], dtype=torch.long), torch.tensor([-1, 3]),
                  torch.arange(12) % 5 == 0):
         with decoder_stack.disabled():
-            want, _ = _all_rows(model, "paged", rows)
-        got, _ = _all_rows(model, "paged", rows)
+            want, _ = _prefill_logits(model, "paged", rows)
+        got, _ = _prefill_logits(model, "paged", rows)
         assert got.shape == want.shape and torch.equal(got, want), rows
 
 
 @needs_kernels
 def test_a_hook_on_the_head_or_the_embedding_keeps_the_python_path():
     model = _model(None, False)
-    _, attn = _all_rows(model, "paged")
+    _, attn = _prefill_logits(model, "paged")
     assert decoder_stack.for_logits(model, attn) is not None
     seen = []
     handle = model.embed.register_forward_hook(lambda m, a, out: seen.append(out.shape))
     assert decoder_stack.for_logits(model, attn) is None
-    got, _ = _all_rows(model, "paged")  # the layers still in C++, the ends in Python
+    got, _ = _prefill_logits(model, "paged")  # the layers still in C++, the ends in Python
     assert seen == [(12, model.cfg.hidden_size)]
     handle.remove()
     with decoder_stack.disabled():
-        want, _ = _all_rows(model, "paged")
+        want, _ = _prefill_logits(model, "paged")
     assert torch.equal(got, want)
 
 

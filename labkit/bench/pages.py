@@ -10,12 +10,13 @@ allocated first as often as the other (for an even count), and reads all of them
 forth then back (A1 B1 B2 A2 .. A2 B2 B1 A1): a turn's ratio is the 4 KiB buffers' summed time
 over the 2 MiB ones'. With four of each, two kinds of 4 KiB buffer read 0.98-1.07x apart, quiet
 or beside a busy core, while 4 KiB against 2 MiB read 1.17-1.43x: in a loop of calls every
-other one gave 1.17-1.21x, its 4 KiB buffers in memory the call before's 2 MiB pages had just
-freed, physically contiguous (a TLB walk is cheaper, or an entry covers more, over those).
+other one gave 1.17-1.21x, likely because its 4 KiB buffers took the memory the call before's
+2 MiB pages had just freed, physically contiguous (a walk is cheaper over such pages).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -27,7 +28,9 @@ from labkit import claims
 @dataclass(frozen=True)
 class PageGain:
     """`gain`: 4 KiB's time over 2 MiB's, turn by turn (claims.Estimate); `rates`: {kind: GB/s}
-    (the median turn); `huge`: the least share of a 2 MiB buffer the kernel gave in 2 MiB pages."""
+    (the median turn); `huge`: the least share of a "2 MiB" buffer the kernel gave in 2 MiB
+    pages (with `control`, those buffers are plain allocations: about 0 where THP is
+    `[madvise]`)."""
 
     gain: claims.Estimate
     rates: dict[str, float]
@@ -58,8 +61,7 @@ def read_gain(nbytes: int, buffers: int = 4, reads: int = 3, n: int = 7,
     for i in range(buffers):  # which kind is allocated first alternates
         for kind in (list(make) if i % 2 == 0 else list(make)[::-1]):
             bufs.append((kind, make[kind]()))
-    huge = 1.0 if control else min(min(1.0, pages.huge_bytes(b) / nbytes)
-                                   for k, b in bufs if k == "2 MiB")
+    huge = min(min(1.0, pages.huge_bytes(b) / nbytes) for k, b in bufs if k == "2 MiB")
     turns: dict[str, list[float]] = {k: [] for k in make}  # seconds per buffer read, per turn
 
     def sample() -> float:
@@ -74,5 +76,5 @@ def read_gain(nbytes: int, buffers: int = 4, reads: int = 3, n: int = 7,
         return took["4 KiB"] / took["2 MiB"]
 
     gain = claims.measure(sample, n=n)
-    rates = {k: nbytes / sorted(v)[len(v) // 2] / 1e9 for k, v in turns.items()}
+    rates = {k: nbytes / statistics.median(v) / 1e9 for k, v in turns.items()}
     return PageGain(gain, rates, huge)
