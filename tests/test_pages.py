@@ -144,7 +144,9 @@ def test_empty_asks_the_kernel_for_huge_pages():
     t.fill_(1)
     assert pages.huge_eligible(t)
     if "[madvise]" in pages._SETTING.read_text():  # only what is asked for gets them
-        plain = torch.empty(8 << 20, dtype=torch.uint8).fill_(1)
+        # (64 MiB: above glibc's largest mmap threshold, so mapped afresh; a smaller block can
+        # reuse heap memory that an earlier `empty` asked huge pages for, and keeps that flag)
+        plain = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
         assert not pages.huge_eligible(plain)
 
 
