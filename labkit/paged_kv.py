@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from labkit.model import ModelConfig
+from labkit.utils import pages
 
 
 class KVPoolExhausted(RuntimeError):
@@ -164,8 +165,12 @@ class KVStore:
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype,
                  device: torch.device | str):
         shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # k: [L, S, Hkv, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # v: [L, S, Hkv, D]
+        if torch.device(device).type == "cpu":  # in 2 MiB pages where the kernel gives them
+            # (labkit.utils.pages): decode reads a token's keys scattered through the pool
+            self.k, self.v = pages.zeros(shape, dtype), pages.zeros(shape, dtype)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)  # k: [L, S, Hkv, D]
+            self.v = torch.zeros(shape, dtype=dtype, device=device)  # v: [L, S, Hkv, D]
         self.num_slots = num_slots
         # each layer's [S, Hkv, D] views, made once: indexing self.k[layer] is an op of its own,
         # dispatched from Python twice per layer per step

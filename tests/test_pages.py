@@ -150,6 +150,22 @@ def test_empty_asks_the_kernel_for_huge_pages():
         assert not pages.huge_eligible(plain)
 
 
+@needs_thp
+def test_the_kv_pool_lies_in_huge_pages_and_starts_empty():
+    # decode reads a token's keys a few hundred bytes at a time, scattered through the pool
+    from labkit.paged_kv import PagedKVCache
+    cfg = ModelConfig.smollm2_135m()
+    cache = PagedKVCache(cfg, num_blocks=64, block_size=16, dtype=torch.bfloat16)  # 2 x 11 MiB
+    for t in (cache.k, cache.v):
+        assert t.shape == (cfg.num_layers, 64 * 16, cfg.num_kv_heads, cfg.head_dim)
+        assert t.dtype == torch.bfloat16 and t.is_contiguous() and not t.any()
+        assert t.data_ptr() % pages.HUGE == 0 and pages.huge_eligible(t)
+    cache.pool(3)[0][5, 2].fill_(1.0)  # a page of one layer, through the views
+    assert int(cache.k[3].ne(0).sum()) == cfg.num_kv_heads * cfg.head_dim
+    small = PagedKVCache(ModelConfig.tiny(), num_blocks=4, block_size=4)  # under 2 MiB: plain
+    assert not small.k.any() and small.k.dtype == torch.float32
+
+
 def test_without_huge_pages_nothing_moves_and_the_reason_is_said(monkeypatch, tmp_path):
     model = _model()
     ptrs = _ptrs(model)

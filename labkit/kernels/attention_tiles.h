@@ -7,6 +7,27 @@
 
 #include "lanes.h"
 
+// At decode a query's key and value rows come from memory (a step's weights have passed through
+// the caches since the layer was last read), scattered through the pool by its pages: met one
+// demand miss after another as the loops reach them, they are latency, not bandwidth. So the
+// loops ask for each row kRowsAhead rows before they read it (into L2), and an item asks for its
+// first kRowsAhead keys' and values' rows as it starts (`prefetch_rows`). Measured on this
+// course's 2-core VM (a SmolLM2 decode token's 30 layers, each read after 4 MB of other reads,
+// the pool in 2 MiB pages; results/cpu-kernels-2026-12-05g.md): 1.49x at 256 keys, 1.78x at
+// 1024, over asking for every row (up to 256 KB) as the item starts; 8 rows ahead 1.27x, 16
+// 1.46x, 24 1.49x.
+static constexpr int64_t kRowsAhead = 32;
+
+static inline void prefetch_row(const float* row, int64_t D) {
+  const char* r = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(r + b, 0, 2);
+}
+
+// the first kRowsAhead of the rows of D floats at base + off[p], p < nk
+static inline void prefetch_rows(const float* base, const int64_t* off, int64_t nk, int64_t D) {
+  for (int64_t p = 0; p < std::min<int64_t>(nk, kRowsAhead); ++p) prefetch_row(base + off[p], D);
+}
+
 #ifdef __AVX2__
 // the lane sums of four vectors, [sum a, sum b, sum c, sum d], in one fixed order
 static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -50,6 +71,7 @@ static inline void weighted_v(const float* w, const float* vp, const int64_t* of
   for (int g = 0; g < GC; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
   for (int64_t p = 0; p < nk; ++p) {
+    if (d0 == 0 && p + kRowsAhead < nk) prefetch_row(vp + off[p + kRowsAhead], D);
     const float* vr = vp + off[p] + d0;
     __m256 wv[GC];
     for (int g = 0; g < GC; ++g) wv[g] = _mm256_set1_ps(w[g * nk + p]);
@@ -68,6 +90,8 @@ template <int GC>
 static inline void scores_all(const float* q, const float* kp, const int64_t* off, int64_t nk,
                               int64_t D, float scale, float* s) {
   for (int64_t p = 0; p < nk; p += 4) {
+    for (int64_t a = p + kRowsAhead; a < std::min<int64_t>(nk, p + kRowsAhead + 4); ++a)
+      prefetch_row(kp + off[a], D);
     const int n = (int)std::min<int64_t>(4, nk - p);
     const float* kr[4];
     for (int j = 0; j < 4; ++j) kr[j] = kp + off[p + (j < n ? j : 0)];  // padding: re-read
@@ -163,20 +187,6 @@ static inline void weighted(const float* w, int64_t nk, const float* vp, const i
       oh[g * D + d] = a * inv[g];
     }
 #endif
-}
-
-// Asks for the rows of D floats at base + off[p], p < nk (the key or value rows one query reads,
-// scattered through the pool by its pages), at most kPrefetchRowBytes of them, into L2: they
-// are on their way together, not one demand miss after another as the loop reaches each. At
-// decode the pool's rows come from memory (a step's weights have passed through the caches
-// since the layer was last read).
-static constexpr int64_t kPrefetchRowBytes = 256 * 1024;
-static inline void prefetch_rows(const float* base, const int64_t* off, int64_t nk, int64_t D) {
-  const int64_t n = std::min<int64_t>(nk, kPrefetchRowBytes / (D * 4));
-  for (int64_t p = 0; p < n; ++p) {
-    const char* row = reinterpret_cast<const char*>(base + off[p]);
-    for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(row + b, 0, 2);
-  }
 }
 
 // the new tokens' k and v ([T, Hkv, D], rows of any stride) into the pool k, v [S, Hkv, D] at

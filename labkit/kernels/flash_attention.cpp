@@ -45,8 +45,8 @@ static void tile_partial(const float* qh, const float* kp, const float* vp, cons
     for (int64_t i = 0; i < run; ++i) sc.off[p - p0 + i] = base + i * Hkv * D;
     p += run;
   }
-  prefetch_rows(kp, sc.off.data(), nk, D);  // the tile's keys, then its values
-  prefetch_rows(vp, sc.off.data(), nk, D);
+  prefetch_rows(kp, sc.off.data(), nk, D);  // the tile's first keys and values (the loops
+  prefetch_rows(vp, sc.off.data(), nk, D);  // ask for the rest ahead)
   float* s = sc.score.data();  // [G, nk]
   scores(qh, kp, sc.off.data(), nk, G, D, scale, s);
   for (int64_t g = 0; g < G; ++g) {  // the tile's own max; numerators in place, their sum

@@ -11,7 +11,7 @@ static void attend_item(const float* qh, const float* kp, const float* vp, const
   score.resize(G * nk);  // [G, nk]
   off.resize(nk);  // where key p's row of KV head hk starts, in k and in v
   for (int64_t p = 0; p < nk; ++p) off[p] = (row[p] * Hkv + hk) * D;
-  prefetch_rows(kp, off.data(), nk, D);  // the keys, then the values (read after the softmax)
+  prefetch_rows(kp, off.data(), nk, D);  // the first keys and values; the loops ask ahead
   prefetch_rows(vp, off.data(), nk, D);
   scores(qh, kp, off.data(), nk, G, D, scale, score.data());
   float inv[64];  // 1 / softmax denominator of each query head (G <= 64, checked)

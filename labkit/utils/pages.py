@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import os
 import sys
 from pathlib import Path
@@ -73,6 +74,14 @@ def empty(nbytes: int) -> torch.Tensor:
                     _MADV_HUGEPAGE) != 0:  # (EINVAL on a kernel built without THP)
         return torch.empty(nbytes, dtype=torch.uint8)
     return raw[start:start + nbytes]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros, on 2 MiB pages where `empty` gives them (a KV pool: at decode a
+    token's keys and values are read from memory, a few hundred bytes per key scattered through
+    the pool by its pages, each 4 KiB page a TLB entry to find)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return empty(nbytes).view(dtype).view(shape).zero_()
 
 
 def _mappings() -> list[tuple[int, int, dict[str, int]]]:
