@@ -10,12 +10,14 @@
 // At decode a query's key and value rows come from memory (a step's weights have passed through
 // the caches since the layer was last read), scattered through the pool by its pages: met one
 // demand miss after another as the loops reach them, they are latency, not bandwidth. So the
-// loops ask for each row kRowsAhead rows before they read it (into L2), and an item asks for its
-// first kRowsAhead keys' and values' rows as it starts (`prefetch_rows`). Measured on this
-// course's 2-core VM (a SmolLM2 decode token's 30 layers, each read after 4 MB of other reads,
-// the pool in 2 MiB pages; results/cpu-kernels-2026-12-05g.md): 1.49x at 256 keys, 1.78x at
-// 1024, over asking for every row (up to 256 KB) as the item starts; 8 rows ahead 1.27x, 16
-// 1.46x, 24 1.49x.
+// loops ask for each row kRowsAhead rows before they read it (into L2): the scores' loop for the
+// key and the value rows, the weighted sum's loop for the value rows again (found in L2 by then,
+// mostly); an item asks for its first kRowsAhead keys' and values' rows as it starts
+// (`prefetch_rows`). Measured on this course's 2-core VM (a SmolLM2 decode token's 30 layers,
+// each read after 4 MB of other reads, the pool in 2 MiB pages; results/
+// cpu-kernels-2026-12-05g.md): 1.49x at 256 keys, 1.78x at 1024, over asking for every row (up
+// to 256 KB) as the item starts (8 rows ahead 1.27x, 16 1.46x, 24 1.49x); the value rows asked
+// for in the scores' loop as well, 1.14-1.20x more at batch 1, 1.13-1.16x at 32.
 static constexpr int64_t kRowsAhead = 32;
 
 static inline void prefetch_row(const float* row, int64_t D) {
@@ -88,10 +90,12 @@ static inline void weighted_v(const float* w, const float* vp, const int64_t* of
 
 template <int GC>
 static inline void scores_all(const float* q, const float* kp, const int64_t* off, int64_t nk,
-                              int64_t D, float scale, float* s) {
+                              int64_t D, float scale, float* s, const float* vp) {
   for (int64_t p = 0; p < nk; p += 4) {
-    for (int64_t a = p + kRowsAhead; a < std::min<int64_t>(nk, p + kRowsAhead + 4); ++a)
+    for (int64_t a = p + kRowsAhead; a < std::min<int64_t>(nk, p + kRowsAhead + 4); ++a) {
       prefetch_row(kp + off[a], D);
+      if (vp) prefetch_row(vp + off[a], D);  // the value rows too, long before weighted's loop
+    }
     const int n = (int)std::min<int64_t>(4, nk - p);
     const float* kr[4];
     for (int j = 0; j < 4; ++j) kr[j] = kp + off[p + (j < n ? j : 0)];  // padding: re-read
@@ -151,18 +155,20 @@ static inline float exp_and_sum(float* p, int64_t n, float max) {
 }
 
 // s[g * nk + p] = scale * (query head g . key p) for the G query heads at qh (D apart) and
-// the nk keys whose rows start at kp + off[p]
+// the nk keys whose rows start at kp + off[p]; asks for the value rows at vp + off[p] ahead too
 static inline void scores(const float* qh, const float* kp, const int64_t* off, int64_t nk,
-                          int64_t G, int64_t D, float scale, float* s) {
+                          int64_t G, int64_t D, float scale, float* s, const float* vp) {
 #ifdef __AVX2__
   for (int64_t g0 = 0; g0 < G; g0 += 3) {  // query heads three at a time (registers)
+    const float* v = g0 == 0 ? vp : nullptr;  // (asked for once)
     switch (std::min<int64_t>(3, G - g0)) {
-      case 3: scores_all<3>(qh + g0 * D, kp, off, nk, D, scale, s + g0 * nk); break;
-      case 2: scores_all<2>(qh + g0 * D, kp, off, nk, D, scale, s + g0 * nk); break;
-      default: scores_all<1>(qh + g0 * D, kp, off, nk, D, scale, s + g0 * nk); break;
+      case 3: scores_all<3>(qh + g0 * D, kp, off, nk, D, scale, s + g0 * nk, v); break;
+      case 2: scores_all<2>(qh + g0 * D, kp, off, nk, D, scale, s + g0 * nk, v); break;
+      default: scores_all<1>(qh + g0 * D, kp, off, nk, D, scale, s + g0 * nk, v); break;
     }
   }
 #else
+  (void)vp;
   for (int64_t p = 0; p < nk; ++p)
     for (int64_t g = 0; g < G; ++g) s[g * nk + p] = dot(qh + g * D, kp + off[p], D) * scale;
 #endif

@@ -48,7 +48,7 @@ static void tile_partial(const float* qh, const float* kp, const float* vp, cons
   prefetch_rows(kp, sc.off.data(), nk, D);  // the tile's first keys and values (the loops
   prefetch_rows(vp, sc.off.data(), nk, D);  // ask for the rest ahead)
   float* s = sc.score.data();  // [G, nk]
-  scores(qh, kp, sc.off.data(), nk, G, D, scale, s);
+  scores(qh, kp, sc.off.data(), nk, G, D, scale, s, vp);
   for (int64_t g = 0; g < G; ++g) {  // the tile's own max; numerators in place, their sum
     float* sg = s + g * nk;
     float m = sg[0];

@@ -13,7 +13,7 @@ static void attend_item(const float* qh, const float* kp, const float* vp, const
   for (int64_t p = 0; p < nk; ++p) off[p] = (row[p] * Hkv + hk) * D;
   prefetch_rows(kp, off.data(), nk, D);  // the first keys and values; the loops ask ahead
   prefetch_rows(vp, off.data(), nk, D);
-  scores(qh, kp, off.data(), nk, G, D, scale, score.data());
+  scores(qh, kp, off.data(), nk, G, D, scale, score.data(), vp);
   float inv[64];  // 1 / softmax denominator of each query head (G <= 64, checked)
   for (int64_t g = 0; g < G; ++g) {  // softmax numerators in place, and their sums
     float* s = score.data() + g * nk;
