@@ -20,8 +20,6 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import torch
-
 from labkit import claims
 
 
@@ -29,8 +27,7 @@ from labkit import claims
 class PageGain:
     """`gain`: 4 KiB's time over 2 MiB's, turn by turn (claims.Estimate); `rates`: {kind: GB/s}
     (the median turn); `huge`: the least share of a "2 MiB" buffer the kernel gave in 2 MiB
-    pages (with `control`, those buffers are plain allocations: about 0 where THP is
-    `[madvise]`)."""
+    pages (with `control`, those buffers are in 4 KiB pages for certain: 0)."""
 
     gain: claims.Estimate
     rates: dict[str, float]
@@ -54,9 +51,8 @@ def read_gain(nbytes: int, buffers: int = 4, reads: int = 3, n: int = 7,
     if buffers < 1 or reads < 1 or nbytes < 1:
         raise ValueError(f"buffers, reads and nbytes must be positive: {buffers}, {reads}, "
                          f"{nbytes}")
-    make = {"4 KiB": lambda: torch.ones(nbytes, dtype=torch.uint8),  # written: really mapped
-            "2 MiB": (lambda: torch.ones(nbytes, dtype=torch.uint8)) if control
-            else (lambda: pages.empty(nbytes).fill_(1))}
+    small = lambda: pages.empty(nbytes, huge=False).fill_(1)  # noqa: E731 (written: mapped)
+    make = {"4 KiB": small, "2 MiB": small if control else (lambda: pages.empty(nbytes).fill_(1))}
     bufs = []
     for i in range(buffers):  # which kind is allocated first alternates
         for kind in (list(make) if i % 2 == 0 else list(make)[::-1]):

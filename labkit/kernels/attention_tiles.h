@@ -17,7 +17,7 @@
 // each read after 4 MB of other reads, the pool in 2 MiB pages; results/
 // cpu-kernels-2026-12-05g.md): 1.49x at 256 keys, 1.78x at 1024, over asking for every row (up
 // to 256 KB) as the item starts (8 rows ahead 1.27x, 16 1.46x, 24 1.49x); the value rows asked
-// for in the scores' loop as well, 1.14-1.20x more at batch 1, 1.13-1.16x at 32.
+// for in the scores' loop as well, 1.03-1.20x more at batch 1, 1.07-1.16x at 32.
 static constexpr int64_t kRowsAhead = 32;
 
 static inline void prefetch_row(const float* row, int64_t D) {

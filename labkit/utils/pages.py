@@ -40,6 +40,7 @@ MIN_BYTES = 32 << 20  # smaller models are left as they are (they fit the last-l
 ALIGN = 64  # each tensor starts on a cache line
 LARGE = 16 << 20  # a tensor this large gets a buffer of its own (a shared embedding)
 _MADV_HUGEPAGE = 14
+_MADV_NOHUGEPAGE = 15
 _SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -58,10 +59,14 @@ def huge_pages() -> str | None:
     return None
 
 
-def empty(nbytes: int) -> torch.Tensor:
+def empty(nbytes: int, huge: bool = True) -> torch.Tensor:
     """An uninitialised uint8 tensor of `nbytes` bytes on 2 MiB pages where `huge_pages()`
     allows (its start 2 MiB-aligned; the kernel gives huge pages as it is first written, and 4
-    KiB ones where it has none free); else a plain torch allocation."""
+    KiB ones where it has none free); else a plain torch allocation. `huge=False`: on 4 KiB
+    pages for certain (madvise MADV_NOHUGEPAGE), where a plain allocation might get 2 MiB ones
+    (the kernel's setting `[always]`, or heap memory an earlier `empty` asked them for)."""
+    if not huge:
+        return _small_pages(nbytes)
     if huge_pages() is not None or nbytes < HUGE:
         return torch.empty(nbytes, dtype=torch.uint8)
     # torch's allocator, over-allocated by a page: glibc maps a block of 32 MiB or more afresh
@@ -72,6 +77,17 @@ def empty(nbytes: int) -> torch.Tensor:
     span = (raw.numel() - start) // 4096 * 4096  # whole pages, all of them inside `raw`
     if LIBC.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(span),
                     _MADV_HUGEPAGE) != 0:  # (EINVAL on a kernel built without THP)
+        return torch.empty(nbytes, dtype=torch.uint8)
+    return raw[start:start + nbytes]
+
+
+def _small_pages(nbytes: int) -> torch.Tensor:
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 4096
+    span = (raw.numel() - start) // 4096 * 4096  # whole pages, all of them inside `raw`
+    if not hasattr(LIBC, "madvise") or LIBC.madvise(
+            ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(span),
+            _MADV_NOHUGEPAGE) != 0:
         return torch.empty(nbytes, dtype=torch.uint8)
     return raw[start:start + nbytes]
 
