@@ -41,6 +41,7 @@ ALIGN = 64  # each tensor starts on a cache line
 LARGE = 16 << 20  # a tensor this large gets a buffer of its own (a shared embedding)
 _MADV_HUGEPAGE = 14
 _MADV_NOHUGEPAGE = 15
+_MADV_DONTNEED = 4
 _SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -85,9 +86,14 @@ def _small_pages(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
     start = (-raw.data_ptr()) % 4096
     span = (raw.numel() - start) // 4096 * 4096  # whole pages, all of them inside `raw`
-    if not hasattr(LIBC, "madvise") or LIBC.madvise(
-            ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(span),
-            _MADV_NOHUGEPAGE) != 0:
+    at = ctypes.c_void_p(raw.data_ptr() + start)
+    # no huge pages from now on, and none kept from before: memory reused from the heap can
+    # still sit in a huge page an earlier tenant got, which MADV_NOHUGEPAGE alone leaves there;
+    # MADV_DONTNEED drops the span's pages (its bytes are not yet anyone's), so it faults in
+    # afresh, 4 KiB at a time
+    if not hasattr(LIBC, "madvise") or any(
+            LIBC.madvise(at, ctypes.c_size_t(span), advice) != 0
+            for advice in (_MADV_NOHUGEPAGE, _MADV_DONTNEED)):
         return torch.empty(nbytes, dtype=torch.uint8)
     return raw[start:start + nbytes]
 
