@@ -51,8 +51,10 @@ def read_gain(nbytes: int, buffers: int = 4, reads: int = 3, n: int = 7,
     if buffers < 1 or reads < 1 or nbytes < 1:
         raise ValueError(f"buffers, reads and nbytes must be positive: {buffers}, {reads}, "
                          f"{nbytes}")
-    small = lambda: pages.empty(nbytes, huge=False).fill_(1)  # noqa: E731 (written: mapped)
-    make = {"4 KiB": small, "2 MiB": small if control else (lambda: pages.empty(nbytes).fill_(1))}
+    def buffer(huge: bool):  # written, so its pages are really mapped
+        return lambda: pages.empty(nbytes, huge=huge).fill_(1)
+
+    make = {"4 KiB": buffer(False), "2 MiB": buffer(not control)}
     bufs = []
     for i in range(buffers):  # which kind is allocated first alternates
         for kind in (list(make) if i % 2 == 0 else list(make)[::-1]):

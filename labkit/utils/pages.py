@@ -64,36 +64,32 @@ def empty(nbytes: int, huge: bool = True) -> torch.Tensor:
     """An uninitialised uint8 tensor of `nbytes` bytes on 2 MiB pages where `huge_pages()`
     allows (its start 2 MiB-aligned; the kernel gives huge pages as it is first written, and 4
     KiB ones where it has none free); else a plain torch allocation. `huge=False`: on 4 KiB
-    pages for certain (madvise MADV_NOHUGEPAGE), where a plain allocation might get 2 MiB ones
-    (the kernel's setting `[always]`, or heap memory an earlier `empty` asked them for)."""
+    pages for certain, where a plain allocation might get 2 MiB ones (the kernel's setting
+    `[always]`, or heap memory an earlier `empty` asked them for)."""
     if not huge:
-        return _small_pages(nbytes)
+        # no huge pages from now on (MADV_NOHUGEPAGE), and none kept from before: heap memory
+        # can still sit in a huge page an earlier tenant got, which that advice alone leaves;
+        # MADV_DONTNEED drops the span's pages (its bytes are no one's yet), so they fault in
+        # afresh, 4 KiB at a time
+        return _advised(nbytes, 4096, (_MADV_NOHUGEPAGE, _MADV_DONTNEED))
     if huge_pages() is not None or nbytes < HUGE:
         return torch.empty(nbytes, dtype=torch.uint8)
     # torch's allocator, over-allocated by a page: glibc maps a block of 32 MiB or more afresh
     # (its mmap threshold is at most that), so no page of it has been touched yet; a smaller
     # one may come from its heap, whose pages touched before stay 4 KiB (`huge_bytes` tells)
-    raw = torch.empty(nbytes + HUGE, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % HUGE
-    span = (raw.numel() - start) // 4096 * 4096  # whole pages, all of them inside `raw`
-    if LIBC.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(span),
-                    _MADV_HUGEPAGE) != 0:  # (EINVAL on a kernel built without THP)
-        return torch.empty(nbytes, dtype=torch.uint8)
-    return raw[start:start + nbytes]
+    return _advised(nbytes, HUGE, (_MADV_HUGEPAGE,))
 
 
-def _small_pages(nbytes: int) -> torch.Tensor:
-    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % 4096
+def _advised(nbytes: int, align: int, advice: tuple[int, ...]) -> torch.Tensor:
+    """`nbytes` from a torch allocation over-allocated by `align`, starting `align`-aligned,
+    its whole pages given each madvise `advice` in turn; a plain allocation where one fails
+    (EINVAL on a kernel built without THP) or there is no madvise."""
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % align
     span = (raw.numel() - start) // 4096 * 4096  # whole pages, all of them inside `raw`
     at = ctypes.c_void_p(raw.data_ptr() + start)
-    # no huge pages from now on, and none kept from before: memory reused from the heap can
-    # still sit in a huge page an earlier tenant got, which MADV_NOHUGEPAGE alone leaves there;
-    # MADV_DONTNEED drops the span's pages (its bytes are not yet anyone's), so it faults in
-    # afresh, 4 KiB at a time
-    if not hasattr(LIBC, "madvise") or any(
-            LIBC.madvise(at, ctypes.c_size_t(span), advice) != 0
-            for advice in (_MADV_NOHUGEPAGE, _MADV_DONTNEED)):
+    if not hasattr(LIBC, "madvise") or any(LIBC.madvise(at, ctypes.c_size_t(span), a) != 0
+                                           for a in advice):
         return torch.empty(nbytes, dtype=torch.uint8)
     return raw[start:start + nbytes]
 
@@ -102,7 +98,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros, on 2 MiB pages where `empty` gives them (a KV pool: at decode a
     token's keys and values are read from memory, a few hundred bytes per key scattered through
     the pool by its pages, each 4 KiB page a TLB entry to find)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return empty(nbytes).view(dtype).view(shape).zero_()
 
 
