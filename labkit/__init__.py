@@ -28,7 +28,7 @@ def get_engine(model: str = "smollm2-135m", quant: str | None = None,
     key = (model, quant, drafts, tuple(sorted(engine_kwargs.items())))
     if key not in _ENGINES:
         from labkit.loading import load_model
-        m, tok = load_model(model, quant=quant)
+        m, tok = load_model(model, quant=quant, fuse=True)  # q|k|v, gate|up: fewer calls
         copies = {name: load_model(model, quant=name)[0] for name in drafts}
         _ENGINES[key] = Engine(m, tok, drafts=copies, **engine_kwargs)
     return _ENGINES[key]

@@ -117,6 +117,7 @@ class EngineSetup:
             cache = quantized if quantized is not None else {}
             if self.quant not in cache:
                 quantized_copy = quantize_model(copy.deepcopy(model), self.quant)
+                quantized_copy.fuse_projections()  # q|k|v, gate|up: as load_model has them
                 place_weights(quantized_copy)  # in 2 MiB pages, as load_model places models
                 cache[self.quant] = quantized_copy
             model = cache[self.quant]
@@ -125,5 +126,5 @@ class EngineSetup:
     def load(self, name: str = "smollm2-135m", **engine_kwargs) -> Engine:
         """An Engine of this setup over a model by name (`load_model`: its quantized weights
         come from the model cache)."""
-        model, tok = load_model(name, quant=self.quant)
+        model, tok = load_model(name, quant=self.quant, fuse=True)
         return Engine(model, tok, **self.engine_kwargs(), **engine_kwargs)

@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
 
     engines = {}
     for q in args.quant.split(","):
-        model, _ = load_model("smollm2-135m", quant=None if q == "none" else q)
+        model, _ = load_model("smollm2-135m", quant=None if q == "none" else q, fuse=True)
         engines[q] = Engine(model, tok, max_seqs=1, kv_tokens=1024)
 
     def labkit_turn(engine) -> tuple[float, float]:

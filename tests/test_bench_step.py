@@ -47,8 +47,7 @@ def test_a_step_reports_its_linears_read_rate_beside_the_probe(quant, capsys):
         assert rates == []
         return
     names = [r["linear"] for r in rates]
-    layer = (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-             if quant == "none" else ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    layer = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # fp32 fused too (fuse=True)
     assert names == [*layer, "lm_head", "step linears"], names  # in the step's order
     step, per_shape = rates[-1], rates[:-1]
     # the step reads every layer's linears and the head once (tiny has 2 layers)

@@ -254,7 +254,7 @@ def bench_generate(streams: int = 32, threads: int | None = None, model: str = "
     torch.set_num_threads(threads)
     if quick:
         streams = min(streams, 8)
-    m, tok = load_model(model, quant=quant)
+    m, tok = load_model(model, quant=quant, fuse=True)  # as the engine's entry points load it
     if model == "smollm2-135m":
         hf = hf_reference_model()
     elif Path(model).is_dir():

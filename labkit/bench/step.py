@@ -52,8 +52,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12, help="timed decode steps of each kind")
     p.add_argument("--model", default="smollm2-135m", help="a model name (tiny, smollm2-135m)")
     p.add_argument("--quant", default="none",
-                   help="weights: none, int8, int4[-gN][-awq] (labkit.quant; quantized models "
-                        "run with q/k/v and gate/up fused)")
+                   help="weights: none, int8, int4[-gN][-awq] (labkit.quant; every model runs "
+                        "with q/k/v and gate/up fused, as the engine's entry points load it)")
     p.add_argument("--json", action="store_true", help="JSON rows on stdout")
     args = p.parse_args(argv)
     from labkit.quant import QuantScheme
@@ -255,7 +255,7 @@ def main(argv: list[str]) -> int:
     log(f"bench step: model {args.model} (quant {args.quant}), context {args.context}, "
         f"{args.steps} steps each, {torch.get_num_threads()} torch threads")
     def measure() -> list[dict]:
-        model, _ = load_model(args.model, quant=args.quant)
+        model, _ = load_model(args.model, quant=args.quant, fuse=True)
         rows = []
         for b in args.batch:
             log(f"  batch {b} ...")

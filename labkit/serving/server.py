@@ -365,7 +365,7 @@ def serve_main(argv: list[str]) -> int:
     from labkit.loading import load_model
 
     try:
-        model, tok = load_model(args.model, quant=engine_kw.pop("quant"))
+        model, tok = load_model(args.model, quant=engine_kw.pop("quant"), fuse=True)
         copies = {name: load_model(args.model, quant=name)[0] for name in drafts}
         engine = Engine(model, tok, device=args.device, drafts=copies, **engine_kw)
     except (ValueError, RuntimeError, OSError) as err:
