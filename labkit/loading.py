@@ -422,7 +422,8 @@ def load_model(name_or_path: str = "smollm2-135m", dtype: torch.dtype = torch.fl
     a GGUF model's quantized weights are cached beside its fp32 entry, keyed by the scheme.
     `fuse`: fuse q/k/v and gate/up into one linear each (LlamaModel.fuse_projections), after
     quantizing: 3 fewer calls per layer and step, same outputs. None: fuse quantized models
-    only (an fp32 model keeps the per-projection layout its parity tests name).
+    only (an fp32 model keeps the per-projection layout its parity tests name); the entry
+    points that run the engine (generate, serve, bench) pass True for fp32 too.
     """
     model, tok = _load_plain(name_or_path, dtype)
     from labkit.quant import QuantScheme
