@@ -110,16 +110,18 @@ class EngineSetup:
     def build(self, model, tokenizer=None, *, quantized: dict | None = None,
               **engine_kwargs) -> Engine:
         """An Engine of this setup over `model`, an fp32 model: quantized here if the setup
-        says so (a copy: `model` stays fp32). `quantized` ({scheme: model}) keeps each
-        quantized copy made, so that setups of one scheme share one copy of the weights (an
-        engine never writes its model). `engine_kwargs`: kv_tokens, device, ..."""
-        if self.quant is not None:  # quantization replaces the linears in place
-            cache = quantized if quantized is not None else {}
-            if self.quant not in cache:
-                quantized_copy = quantize_model(copy.deepcopy(model), self.quant)
-                quantized_copy.fuse_projections()  # q|k|v, gate|up: as load_model has them
-                place_weights(quantized_copy)  # in 2 MiB pages, as load_model places models
-                cache[self.quant] = quantized_copy
+        says so (a copy: `model` stays as it is). Every setup runs q|k|v and gate|up fused, as
+        the engine's entry points load models: an fp32 model given per projection (the form
+        quantizing needs) runs as a fused copy. `quantized` ({scheme, or None for that fp32
+        copy: model}) keeps each copy made, so that setups of one scheme share one copy of the
+        weights (an engine never writes its model). `engine_kwargs`: kv_tokens, device, ..."""
+        cache = quantized if quantized is not None else {}
+        if self.quant is not None or any(layer.qkv_proj is None for layer in model.layers):
+            if self.quant not in cache:  # quantization replaces the linears in place
+                made = quantize_model(copy.deepcopy(model), self.quant)  # (None: a plain copy)
+                made.fuse_projections()  # q|k|v, gate|up: as load_model has them
+                place_weights(made)  # in 2 MiB pages, as load_model places models
+                cache[self.quant] = made
             model = cache[self.quant]
         return Engine(model, tokenizer, **self.engine_kwargs(), **engine_kwargs)
 

@@ -89,3 +89,27 @@ def test_quantized_whole_engine_agrees_on_both_decoders():
         plain_q = dataclasses.replace(EngineSetup.plain(), quant=quant)
         assert _tokens(plain_q, model) == blocking, quant
     assert next(model.parameters()).dtype == torch.float32, "build() quantized the fp32 model"
+
+
+def test_every_setup_runs_its_projections_fused_and_leaves_the_given_model_as_it_was():
+    # the engine's entry points load models fused (q|k|v, gate|up: fewer calls a step), so a
+    # setup built over a per-projection fp32 model runs a fused copy, made once per `quantized`
+    # cache and shared, as each quantized copy is; the model given keeps its layout
+    model = _tiny()
+    assert all(layer.qkv_proj is None for layer in model.layers)
+    shared: dict = {}
+    engines = [setup.build(model, None, quantized=shared, kv_tokens=64, block_size=4)
+               for setup in (EngineSetup.plain(), EngineSetup.whole(quant=None),
+                             EngineSetup.whole(quant="int8"))]
+    runs = [e.device.runner.model for e in engines]
+    for e in engines:
+        e.close()
+    assert all(layer.qkv_proj is not None and layer.gate_up_proj is not None
+               for m in runs for layer in m.layers)
+    assert runs[0] is runs[1] is shared[None] and runs[2] is shared["int8"]
+    assert all(layer.qkv_proj is None for layer in model.layers), "build() fused the given model"
+    # a model given fused already runs as it is: no copy
+    fused = shared[None]
+    engine = EngineSetup.plain().build(fused, None, kv_tokens=64, block_size=4)
+    assert engine.device.runner.model is fused
+    engine.close()

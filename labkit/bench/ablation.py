@@ -7,8 +7,9 @@ once. The setups take turns (`--rounds R`, the order reversed every other round)
 simulated accelerator (`device="process"`, so that the pipelined decoder has a device to
 overlap), each turn on a fresh engine closed after it, and each row reports the median wall
 time over rounds. Every setup that quantizes
-shares one quantized copy of the weights (`EngineSetup.build(quantized=...)`): the setups then
-differ only in what they switch, not in where their weights landed in memory.
+shares one quantized copy of the weights, and every fp32 setup one fused copy of the fp32
+weights (`EngineSetup.build(quantized=...)`): the setups then differ only in what they switch,
+not in where their weights landed in memory.
 
 Each row also carries the **prediction** of the chapters' cost models. Its terms are measured
 on the whole engine's blocking twin (the `- pipelined decoder` row), where nothing overlaps and
@@ -284,7 +285,8 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
                             blocking_round_trip_s(tl, r["wall_s"]), sample)
             runs[name].append(r)
     quant_model = quantized.get(whole.quant)
-    quant_bytes, fp32_bytes = weight_bytes(quant_model or model), weight_bytes(model)
+    fp32_model = quantized.get(None, model)  # what the fp32 setups ran: the fused copy
+    quant_bytes, fp32_bytes = weight_bytes(quant_model or model), weight_bytes(fp32_model)
     a, c, b, h, r_trip, sample = (statistics.median(r["fit"][i] for r in runs[twin])
                                   for i in range(6))
     busy = statistics.median(r["busy"] for got in runs.values() for r in got)
@@ -293,7 +295,8 @@ def bench_ablation(model_name: str = "tiny", requests: int = 8, rounds: int = 2,
     split_rows = typical_decode_rows(runs["whole engine"][0]["step_tokens"],
                                      runs["whole engine"][0]["step_rows"])
     if whole.quant:  # fp32's extra cost: bytes per launch, arithmetic per token
-        extra_a, extra_b, t_f, t_q = quant_step_split(model, quant_model, whole.max_step_tokens,
+        extra_a, extra_b, t_f, t_q = quant_step_split(fp32_model, quant_model,
+                                                      whole.max_step_tokens,
                                                       min(split_rows, whole.max_step_tokens - 1))
     rows = []
     for name, setup in setups:
