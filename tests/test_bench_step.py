@@ -102,3 +102,42 @@ def test_the_step_read_ratio_sampler_gives_the_probe_over_a_pass(monkeypatch):
     assert n == 2 * 4 + 1 and len(passes) == 4 * n  # tiny: 2 fused layers of 4, the head
     monkeypatch.setattr(linear_rate, "_kernel", lambda lin: None)
     assert linear_rate.step_read_ratio(model) is None  # a linear labkit does not serve
+
+
+def test_the_probe_reads_the_weights_own_memory_where_they_lie_together():
+    # where load_model placed a model's weights in one buffer, the probe reads those very
+    # bytes (a few spans, the gaps between linears read with them and scaled away), so where
+    # two buffers of one size lie in memory cannot favour either side; weights in allocations
+    # of their own are read as one buffer of their size instead
+    import torch
+
+    from labkit.bench import linear_rate
+    from labkit.kernels import cpu as cpu_kernels
+    from labkit.loading import load_model
+    from labkit.utils import pages
+
+    buf = torch.zeros(1 << 20, dtype=torch.uint8)
+    a, b, c = buf[:4096], buf[4096 + 64:8192], buf[8192 + (128 << 10):]  # c: past MERGE_GAP
+    other = torch.zeros(256, dtype=torch.uint8)
+    spans = linear_rate._spans([a, b.view(torch.int16), c, other])
+    assert [(s.untyped_storage().data_ptr(), s.storage_offset(), s.numel()) for s in spans] == [
+        (buf.untyped_storage().data_ptr(), 0, 8192), (buf.untyped_storage().data_ptr(),
+         8192 + (128 << 10), (1 << 20) - 8192 - (128 << 10)), (other.data_ptr(), 0, 256)]
+    assert spans[0].data_ptr() == a.data_ptr()  # views of the same memory, not copies
+    if cpu_kernels.kernels() is None:
+        return
+    model, _ = load_model("tiny", quant="int4", fuse=True)
+    first, order = linear_rate._step_linears(model)
+    apart = linear_rate._Pair(order)  # tiny's weights are too few to place: allocations apart
+    assert apart.probe == "a buffer of the same bytes" and apart.read_scale == 1.0
+    if pages.huge_pages() is not None:  # no 2 MiB pages here: place_weights moves nothing
+        return
+    pages.place_weights(model, min_bytes=0)
+    pair = linear_rate._Pair(order)
+    assert pair.probe.startswith("the weights' own memory") and len(pair.spans) <= 2
+    weights = [t for _, args in pair.calls for t in args[1:]]
+    lo = min(s.data_ptr() for s in pair.spans)
+    hi = max(s.data_ptr() + s.numel() for s in pair.spans)
+    assert all(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
+               for t in weights)  # every weight inside what the probe reads
+    assert 0.9 < pair.read_scale <= 1.0  # the spans hold the weights and a little besides

@@ -4,9 +4,10 @@ reads the same number of bytes and does nothing else (`bench step` prints it).
 At batch 1 a decode step reads every weight once and does little arithmetic per byte, so a
 linear's figure of merit is its *effective rate*: the bytes it reads (codes plus scales and
 zeros, `QuantLinear.weight_bytes`) over its time. Its ceiling is measured, not quoted: labkit's
-C++ `read_probe` reads a buffer of the same size with the same threads (`at::parallel_for`, so
-the same wake-up cost), 64 bytes a load and nothing else. A buffer that fits the cache is read
-at the cache's rate, one that does not at memory's, for the probe as for the kernel.
+C++ `read_probe` reads the same bytes where they lie (`_Pair`), with the same threads
+(`at::parallel_for`, so the same wake-up cost), 64 bytes a load and nothing else. Bytes that fit
+the cache are read at the cache's rate, bytes that do not at memory's, for the probe as for the
+kernel.
 A quantized linear runs its labkit kernel (int8, int4); an fp32 one (and a tied head, the
 embedding matrix) runs `fp32_linear`, labkit's kernel for steps of a few rows.
 
@@ -14,7 +15,7 @@ Three views, each timed in alternating turns with the probe (medians of the turn
 - per shape: layer 0's linears and the head, each called again and again on one row of x
   (its bytes stay in cache between calls, as the probe's do);
 - a step's linears: every layer's, then the head, in the model's order (a whole model's bytes,
-  read as a step reads them), against one probe buffer of their total size;
+  read as a step reads them), against the probe over the same bytes (one call a span);
 - the whole bare forward against the probe over those bytes: its memory floor (`forward_floor`).
 The first two call the kernel itself (`_kernel`: the one that serves the linear), not the
 module: the module adds a few microseconds of Python a call, which the step's phase table
@@ -69,17 +70,53 @@ def _call(lin) -> tuple:
     return getattr(mod, kernel), (x, lin.kweight, lin.kscale)
 
 
+MERGE_GAP = 64 << 10  # weights this close in one buffer are read as one span (a norm between)
+MAX_SPANS = 8  # more spans than this: the weights were not placed together; a buffer instead
+
+
+def _spans(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """uint8 views of the memory `tensors` lie in, in their order: a tensor that starts in the
+    same storage at most MERGE_GAP bytes after the previous one ends extends that view (the
+    gap, a norm's few KB or a cache line's padding, is read with it)."""
+    runs: list[list] = []  # [storage, first byte, end byte]
+    for t in tensors:
+        st = t.untyped_storage()
+        start = t.storage_offset() * t.element_size()
+        end = start + t.numel() * t.element_size()
+        if runs and runs[-1][0].data_ptr() == st.data_ptr() and 0 <= start - runs[-1][2] <= \
+                MERGE_GAP:
+            runs[-1][2] = end
+        else:
+            runs.append([st, start, end])
+    return [torch.empty(0, dtype=torch.uint8).set_(st, a, (e - a,)) for st, a, e in runs]
+
+
 class _Pair:
-    """`lins` as a step calls their kernels (one row of x each), beside a probe buffer of the
-    same bytes: the two sides every measurement here alternates."""
+    """`lins` as a step calls their kernels (one row of x each), beside the read probe over the
+    same bytes: the two sides every measurement here alternates.
+
+    The probe reads the very memory the kernels' weights lie in (load_model places a model's
+    weights in one buffer in the step's order, the head apart: a few spans, read one call
+    each), so where those pages lie cannot favour either side: two buffers of one size can sit
+    in memory of different speed (0.87-1.13x, results/cpu-kernels-2026-12-05e.md). Its time
+    is scaled to the weights' bytes (`read_scale`: a span holds a norm or padding besides).
+    Weights not placed together (more than MAX_SPANS spans) are read instead as one buffer of
+    their size, in 2 MiB pages; `probe` says which."""
 
     def __init__(self, lins: list):
         self.calls = [_call(lin) for lin in lins]
         self.nbytes = sum(_shape(lin)[2] for lin in lins)
-        self.probe = cpu_kernels.kernels().read_probe
-        # in the pages labkit keeps weights in (2 MiB where the kernel gives them: the
-        # fastest read this CPU makes), written so the pages are really mapped
-        self.buf = pages.empty(self.nbytes).fill_(1)
+        self.probe_fn = cpu_kernels.kernels().read_probe
+        self.spans = _spans([a for _, args in self.calls for a in args[1:]])
+        if len(self.spans) > MAX_SPANS:
+            # in the pages labkit keeps weights in (2 MiB where the kernel gives them: the
+            # fastest read this CPU makes), written so the pages are really mapped
+            self.spans = [pages.empty(self.nbytes).fill_(1)]
+            self.probe = "a buffer of the same bytes"
+        else:
+            n = len(self.spans)
+            self.probe = f"the weights' own memory, {n} span{'s' if n > 1 else ''}"
+        self.read_scale = self.nbytes / sum(s.numel() for s in self.spans)
         self.one_pass(), self.read()  # warm: first touches, the thread pool started
 
     def one_pass(self) -> None:
@@ -87,7 +124,8 @@ class _Pair:
             fn(*args)
 
     def read(self) -> None:
-        self.probe(self.buf)
+        for span in self.spans:
+            self.probe_fn(span)
 
 
 def _timed(f, reps: int = 1) -> float:
@@ -117,7 +155,7 @@ def _turns(pair: _Pair, turns: int) -> tuple[float, float]:
     bytes, from alternating turns of `reps` passes each."""
     reps = max(1, int(TURN_S / max(_timed(pair.one_pass), 1e-7)))
     kern, read = _alternate(pair.one_pass, pair.read, turns, reps)
-    return statistics.median(kern), statistics.median(read)
+    return statistics.median(kern), statistics.median(read) * pair.read_scale
 
 
 def _row(name: str, lins: list, turns: int) -> dict:
@@ -129,7 +167,7 @@ def _row(name: str, lins: list, turns: int) -> dict:
             "kernel": _kernel(lins[0]), "bytes": nbytes, "us": kern_s * 1e6,
             "gb_per_s": nbytes / kern_s / 1e9, "probe_us": read_s * 1e6,
             "probe_gb_per_s": nbytes / read_s / 1e9, "over_probe": read_s / kern_s,
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(), "probe": pair.probe,
             "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
@@ -179,10 +217,11 @@ def forward_floor(model, context: int, turns: int = 15) -> dict | None:
         pair = _Pair(linears[1])
         step()
         fwd, read = _alternate(step, pair.read, turns)
+        read = [r * pair.read_scale for r in read]
     return {"forward_ms": statistics.median(fwd) * 1e3,
             "floor_ms": statistics.median(read) * 1e3, "bytes": pair.nbytes,
             "over_floor": statistics.median(f / r for f, r in zip(fwd, read)),
-            "context": context, "threads": torch.get_num_threads()}
+            "context": context, "threads": torch.get_num_threads(), "probe": pair.probe}
 
 
 def step_read_ratio(model):
@@ -205,7 +244,7 @@ def step_read_ratio(model):
                 kern, read = _timed(pair.one_pass), _timed(pair.read)
             else:
                 read, kern = _timed(pair.read), _timed(pair.one_pass)
-        return read / kern
+        return read * pair.read_scale / kern
 
     return sample
 
@@ -223,5 +262,6 @@ def format_rates(rows: list[dict]) -> str:
                      f"{r['probe_gb_per_s']:>12.1f}{r['over_probe']:>13.2f}x{load:>6}"
                      f"  {r['kernel']}")
     lines.append(f"  ({rows[0]['threads']} threads; kernel/probe: the probe's time over the "
-                 "kernel's, 1.00x = reading as fast as the CPU reads)" if rows else "")
+                 "kernel's, 1.00x = reading as fast as the CPU reads; the step's probe read "
+                 f"{rows[-1]['probe']})" if rows else "")
     return "\n".join(lines)

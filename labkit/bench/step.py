@@ -19,8 +19,9 @@ is what the forward spends outside them: embedding, norms, RoPE, residual adds).
 few microseconds each, so the profiled steps are not the ones the ratio uses.
 
 A quantized model's row at batch 1 also carries its linears' effective read rate, each shape's
-and a whole step's, beside labkit's read probe of the same byte count (`linear_rate`): how
-close the kernels come to reading their weights as fast as this CPU can read bytes.
+and a whole step's, beside labkit's read probe over the same bytes where they lie
+(`linear_rate`): how close the kernels come to reading their weights as fast as this CPU can
+read bytes.
 """
 
 from __future__ import annotations
@@ -300,5 +301,6 @@ def _table(rows: list[dict]) -> None:
         if r.get("forward_floor"):
             f = r["forward_floor"]
             print(f"bare forward at batch 1 (context {f['context']}) against its floor, the "
-                  f"probe reading its {f['bytes'] / 1e6:.0f} MB of weights: {f['forward_ms']:.2f}"
-                  f" ms / {f['floor_ms']:.2f} ms = {f['over_floor']:.2f}x its floor")
+                  f"probe reading its {f['bytes'] / 1e6:.0f} MB of weights ({f['probe']}): "
+                  f"{f['forward_ms']:.2f} ms / {f['floor_ms']:.2f} ms = {f['over_floor']:.2f}x "
+                  "its floor")
