@@ -505,7 +505,7 @@ def main(argv: list[str]) -> int:
         device = "cuda" if torch.cuda.is_available() else "process"
     try:
         model, tok = load_model(args.model, getattr(torch, args.dtype),
-                                quant=engine_kw["quant"])
+                                quant=engine_kw["quant"], fuse=True)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -177,7 +177,7 @@ def main(argv: list[str]) -> int:
     from labkit.loading import load_model
 
     def measure() -> list[dict]:
-        model, _ = load_model(args.model)
+        model, _ = load_model(args.model, fuse=True)
         rows = []
         for policy in args.policies:
             region = None

@@ -206,7 +206,7 @@ def bench_serve(args: argparse.Namespace, log=print) -> list[dict]:
 
     if getattr(args, "url", None) is not None:
         return serve_url(args, log)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, fuse=True)
     prompt, output = (SHORT_PROMPTS, SHORT_OUTPUTS) if args.short else (None, None)
     settings = [(b, r, t) for r in args.rate for t in args.max_step_tokens
                 for b in args.batching]
