@@ -83,9 +83,9 @@ def _spans(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         st = t.untyped_storage()
         start = t.storage_offset() * t.element_size()
         end = start + t.numel() * t.element_size()
-        if runs and runs[-1][0].data_ptr() == st.data_ptr() and 0 <= start - runs[-1][2] <= \
-                MERGE_GAP:
-            runs[-1][2] = end
+        last = runs[-1] if runs else None
+        if last and last[0].data_ptr() == st.data_ptr() and 0 <= start - last[2] <= MERGE_GAP:
+            last[2] = end
         else:
             runs.append([st, start, end])
     return [torch.empty(0, dtype=torch.uint8).set_(st, a, (e - a,)) for st, a, e in runs]
