@@ -30,10 +30,11 @@ sum; int4 dequantizes each weight as `q * s + (z - 8 s)`, the very value `dequan
 gives, from its own layout (`cpu_kernels.int4_layout`: 16 codes in 8 bytes, a group's bf16
 scale and zero in one int32). Measured in a SmolLM2 int4 decode step at batch 1, 3 and 32:
 1.1x, 1.3x and 2x faster than torch's int4 kernel with its casts (results/). On a CPU with
-AVX512-BF16, int4 runs on `cpu_kernels.int4_linear_bf16` instead (where N % 16 == 0, unless
-`LABKIT_BF16_DOT=0`): codes to bf16 by lookup, a bf16 dot product into fp32 sums, x rounded
-to bf16; 1.5x faster again at batch 1 on a 2-core AVX-512 machine. On a CPU with
-AVX512-VNNI, int8 holds x as int16 instead (a scale per 64 values, `int8_x_as_int16`) and
+AVX512-VNNI, int4 runs on `cpu_kernels.int4_linear_dot` instead (where N % 16 == 0, unless
+`LABKIT_INT4_DOT=0`): x held as int16 codes (a scale per group), the codes multiplied by an
+integer dot product into exact sums, each group's scale and zero applied once to its sum;
+at batch 1 on this course's VM 2.2-2.5x faster than int4_linear (results/). There int8
+holds x as int16 too (a scale per 64 values, `int8_x_as_int16`) and
 multiplies the codes by an integer dot product: turning codes into fp32 had bound it by its
 arithmetic (1.3x faster at batch 1, results/cpu-kernels-2026-12-05.md), and holds the codes
 in tiles of 6 rows read front to back (`cpu_kernels.int8_linear_tiled`; a step's linears
@@ -64,7 +65,7 @@ INT4_GROUPS = (32, 64, 128)
 _CANONICAL = ("qweight", "scale", "zero")
 # labkit's layouts, each with its exact inverse: a QuantLinear on one of them holds only it
 # (kweight, kscale) -> codes, scale, zero (int8's tiles: K a multiple of 32, int8_tiled_fits)
-_LOSSLESS = {"int4_linear_bf16": cpu_kernels.int4_bf16_codes,
+_LOSSLESS = {"int4_linear_dot": cpu_kernels.int4_dot_codes,
              "int4_linear": cpu_kernels.int4_codes,
              "int8_linear_tiled": lambda tiles, scale: (
                  cpu_kernels.int8_tiled_codes(tiles, scale.numel()), scale, None)}
@@ -239,8 +240,9 @@ class QuantLinear(nn.Module):
     `scale` [N]; int4 `qweight` [N, K/2] (pack_int4), `scale`, `zero` [N, K/g]. The kernel's
     own layout (`kweight`, `kscale`) is derived from them and not stored: for int8 on the CPU,
     labkit's tiles (`cpu_kernels.int8_tiled_layout`) where `cpu_kernels.int8_tiled_fits`, else
-    the codes as they are; for int4 on the CPU, labkit's bf16-dot layout (`kscale` int16) where
-    `cpu_kernels.int4_bf16_fits`, else labkit's (`kscale` int32) where `cpu_kernels.int4_fits`,
+    the codes as they are; for int4 on the CPU, labkit's dot-product layout (`kscale` [N/16,
+    16 K/G]) where `cpu_kernels.int4_dot_fits`, else labkit's (`kscale` [N, K/G]) where
+    `cpu_kernels.int4_fits`,
     else torch's (bf16). labkit's layouts keep every code, scale and zero exactly, so a linear
     on one of them holds that layout alone: `canonical()` gives its codes back (and its
     state_dict holds them).
@@ -322,12 +324,12 @@ class QuantLinear(nn.Module):
             codes = unpack_int4(self.qweight)  # [N, K]
             kw = torch.ops.aten._convert_weight_to_int4pack(pack_int4_hi_first(codes), 8)
             ks = _scales_and_zeros(self.scale, self.zero)
-        elif cpu_kernels.int4_bf16_fits(self.out_features, self.in_features, self.group_size,
-                                        self.scale, self.zero):
-            # an AVX512-BF16 CPU: codes to bf16 by lookup, a bf16 dot product, fp32 sums
-            kw, ks = cpu_kernels.int4_bf16_layout(unpack_int4(self.qweight), self.scale,
-                                                  self.zero)
-            self._labkit_kernel = "int4_linear_bf16"
+        elif cpu_kernels.int4_dot_fits(self.out_features, self.in_features, self.group_size,
+                                       self.scale, self.zero):
+            # an AVX512-VNNI CPU: x as int16, the codes on an integer dot product, exact sums
+            kw, ks = cpu_kernels.int4_dot_layout(unpack_int4(self.qweight), self.scale,
+                                                 self.zero)
+            self._labkit_kernel = "int4_linear_dot"
         elif cpu_kernels.int4_fits(self.in_features, self.group_size, self.scale, self.zero):
             # labkit's int4 kernel (labkit.kernels.cpu): fp32 activations, no casts
             kw, ks = cpu_kernels.int4_layout(unpack_int4(self.qweight), self.scale, self.zero)
@@ -389,7 +391,7 @@ class QuantLinear(nn.Module):
             if mod is not None:
                 x2 = x if x.dim() == 2 and x.is_contiguous() else (
                     x.reshape(-1, self.in_features).contiguous())  # [M, K]
-                kernel = getattr(mod, labkits)  # int8_linear(_tiled), int4_linear(_bf16)
+                kernel = getattr(mod, labkits)  # int8_linear(_tiled), int4_linear(_dot)
                 y = (kernel(x2, self.qweight, self.scale) if labkits == "int8_linear"
                      else kernel(x2, self.kweight, self.kscale))  # [M, N]
                 y = y if self.bias is None else y + self.bias

@@ -12,7 +12,7 @@ The archive (a plain tar: wheels and weights do not compress) holds
                                   the fp32 weights, the tokenizer, the quantized weights of
                                   chapter 03, transformers' reference copy, and the C++ kernels
                                   built for every vector level this CPU runs (generic, AVX2,
-                                  AVX512-BF16), so a laptop of another CPU kind finds its build
+                                  AVX512-VNNI), so a laptop of another CPU kind finds its build
 
 `unpack` (what `make setup BUNDLE=...` runs first) refuses an archive made for another Python
 or platform, puts the wheels where pip's `--no-index --find-links` reads them, and copies the
@@ -92,12 +92,12 @@ def warm_cache() -> list[Path]:
     levels = [[]]
     if cap in ("AVX2", "AVX512"):
         levels.append(["-mavx2", "-mfma"])
-    if cap == "AVX512" and torch.cpu._is_avx512_bf16_supported():
-        levels.append(["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                       "-mavx512bf16"])
+    if cpu._flags() not in levels:  # this CPU's own level (AVX512-VNNI where it has it)
+        levels.append(cpu._flags())
     builds = []
     for flags in levels:  # the same names and keys labkit.kernels.cpu gives each level
-        variant = "avx512bf16" if "-mavx512bf16" in flags else "avx2" if flags else "generic"
+        variant = ("avx512vnni" if "-mavx512vnni" in flags else "avx2" if flags
+                   else "generic")
         name = f"labkit_kernels_{variant}"
         sources = [cpu.HERE / s for s in cpu.SOURCES]
         cpu.build_extension(name, sources, [*cpu.CFLAGS, *flags], ["-fopenmp"])

@@ -1,6 +1,6 @@
 """labkit.kernels.cpu: the int8 and int4 kernels equal the dequantized reference and give a row
 the same result whatever rows share its call; QuantLinear falls back to torch's kernels without
-them. Where the CPU has AVX512-BF16, int4_linear_bf16 equals the reference on x rounded to bf16.
+them. Where the CPU has AVX512-VNNI, int4_linear_dot equals the reference on x held as int16.
 The attention kernel writes k and v and attends as the naive reference does, and a token's
 result does not depend on what else is in its step."""
 
@@ -17,8 +17,9 @@ from labkit.quant import QuantLinear, QuantScheme
 built = cpu_kernels.kernels()
 needs_kernel = pytest.mark.skipif(built is None,
                                   reason="no C++ compiler and ninja: the kernel cannot build")
-needs_bf16 = pytest.mark.skipif(built is None or not built.has_bf16_dot(),
-                                reason="this CPU has no AVX512-BF16: int4_linear_bf16 is not built")
+needs_int4_dot = pytest.mark.skipif(
+    built is None or not built.has_int4_dot(),
+    reason="this CPU has no AVX512-VNNI: int4_linear_dot is not built")
 
 
 def _int8_linear(n=200, k=100, bias=False, seed=0):
@@ -227,14 +228,14 @@ def test_the_int4_kernel_equals_the_dequantized_reference(rows, spec, k):
 
 @needs_kernel
 @pytest.mark.parametrize("kernel,n", [("int4_linear", 11),
-                                      pytest.param("int4_linear_bf16", 48, marks=needs_bf16)])
+                                      pytest.param("int4_linear_dot", 48, marks=needs_int4_dot)])
 def test_an_int4_rows_result_does_not_depend_on_the_rows_beside_it(kernel, n, monkeypatch):
     # int4_linear: one row, two or three, and four or more take different paths (codes
-    # dequantized in registers, or once into an L1 buffer); int4_linear_bf16: one row takes 4
-    # blocks of 16 output rows, two or three take 2, and chunks of up to 8 rows share each
-    # decoded code vector. Every row's output must be bit-identical.
+    # dequantized in registers, or once into an L1 buffer); int4_linear_dot: one row takes 2
+    # blocks of 16 output rows with four sums each, more rows 1 block, chunks of up to 6 rows
+    # sharing each code vector, two sums each. Every row's output must be bit-identical.
     if kernel == "int4_linear":
-        monkeypatch.setenv("LABKIT_BF16_DOT", "0")
+        monkeypatch.setenv("LABKIT_INT4_DOT", "0")
     lin = _int4_linear(n=n, k=96)
     assert lin._labkit_kernel == kernel
     x = torch.randn(19, 96, generator=torch.Generator().manual_seed(3))
@@ -270,8 +271,8 @@ def test_relayout_derives_the_layout_again_for_where_the_codes_are(monkeypatch):
 
     lin = _int4_linear(n=64, k=128)
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(5))
-    assert lin._labkit_kernel in ("int4_linear", "int4_linear_bf16")  # one of labkit's layouts
-    assert lin.kscale.dtype in (torch.int32, torch.int16)
+    assert lin._labkit_kernel in ("int4_linear", "int4_linear_dot")  # one of labkit's layouts
+    assert lin.kscale.dtype == torch.int32
     monkeypatch.setitem(cpu_kernels._state, "module", None)
     assert relayout(torch.nn.Sequential(lin))[0] is lin
     assert lin.kscale.dtype == torch.bfloat16 and lin._labkit_kernel is None
@@ -300,102 +301,123 @@ def test_under_a_torch_mode_int4_runs_the_reference_path():
     torch.testing.assert_close(lin(x), got, rtol=1e-5, atol=1e-5)  # the kernel, outside it
 
 
-# ---- int4_linear_bf16 (AVX512-BF16 CPUs) ---------------------------------------------------
+# ---- int4_linear_dot (AVX512-VNNI CPUs) -----------------------------------------------------
 
-def test_the_bf16_layout_holds_every_code_where_the_kernel_reads_it():
+def test_the_dot_layout_holds_every_code_where_the_kernel_reads_it():
     # runs on every CPU: the layout is plain torch; read it back as the kernel's docstring says
     gen = torch.Generator().manual_seed(7)
     n, k, g = 48, 128, 32
     codes = torch.randint(0, 16, (n, k), generator=gen)
     scale = torch.rand(n, k // g, generator=gen).bfloat16().float()
     zero = torch.randn(n, k // g, generator=gen).bfloat16().float()
-    packed, sz = cpu_kernels.int4_bf16_layout(codes, scale, zero)
-    assert packed.shape == (n // 16, 8 * k) and sz.shape == (n // 16, 32 * k // g)
-    b = packed.reshape(n // 16, k // 4, 16, 2)  # [block, t, row i, e]
-    for blk, t, i, e in [(0, 0, 0, 0), (1, 5, 3, 1), (2, 31, 15, 1), (2, 7, 9, 0)]:
-        byte, row = int(b[blk, t, i, e]), 16 * blk + i
-        assert byte & 15 == codes[row, 4 * t + e] and byte >> 4 == codes[row, 4 * t + 2 + e]
-    halves = sz.reshape(n // 16, k // g, 2, 16)  # [block, group, scale/zero, row i]
-    bf = lambda v: torch.tensor([v], dtype=torch.int16).view(torch.bfloat16).float()  # noqa: E731
-    assert bf(int(halves[1, 2, 0, 4])) == scale[20, 2]
-    assert bf(int(halves[2, 3, 1, 15])) == zero[47, 3]
+    packed, sz = cpu_kernels.int4_dot_layout(codes, scale, zero)
+    assert packed.shape == (n // 16, 8 * k) and sz.shape == (n // 16, 16 * k // g)
+    b = packed.reshape(n // 16, k // 8, 16, 4)  # [block, u, row i, e]
+    for blk, u, i, e in [(0, 0, 0, 0), (1, 5, 3, 1), (2, 15, 15, 3), (2, 7, 9, 2)]:
+        byte, row = int(b[blk, u, i, e]), 16 * blk + i
+        assert byte & 15 == codes[row, 8 * u + e] and byte >> 4 == codes[row, 8 * u + 4 + e]
+    words = sz.reshape(n // 16, k // g, 16)  # [block, group, row i]
+    bf = lambda v: torch.tensor([v], dtype=torch.int32).to(torch.int16).view(  # noqa: E731
+        torch.bfloat16).float()  # (bits 0..65535 as int16's two's complement)
+    assert bf(int(words[1, 2, 4]) & 0xFFFF) == scale[20, 2]  # the low half
+    assert bf((int(words[2, 3, 15]) >> 16) & 0xFFFF) == zero[47, 3]  # the high half
+    back = cpu_kernels.int4_dot_codes(packed, sz)
+    assert torch.equal(back[0].long(), codes) and torch.equal(back[1], scale)
+    assert torch.equal(back[2], zero)
 
 
-def _rounded_reference(lin, x):
-    """x rounded to bf16 times the dequantized weight, in float64: what the bf16 kernel sums"""
-    return (x.bfloat16().double() @ lin.dequantized().double().t()).float()
+def test_the_dot_kernels_x_is_a_power_of_two_steps_within_a_step_of_x():
+    # runs on every CPU: the reference of what int4_linear_dot multiplies
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 96, generator=gen) * torch.tensor([1e-3, 1.0, 7.0, 300.0, 1e5])[:, None]
+    got = cpu_kernels.int4_x_as_int16(x, 32)
+    for row in range(5):
+        for g in range(3):
+            v, q = x[row, 32 * g:32 * g + 32], got[row, 32 * g:32 * g + 32]
+            s = float(cpu_kernels.int4_x_scale(v.abs().amax()))
+            assert s == 2.0 ** round(torch.tensor(s).log2().item())  # a power of two
+            assert float(v.abs().amax()) / s <= 32639 < 2 * float(v.abs().amax()) / s  # least
+            codes = q / s
+            assert torch.equal(codes, codes.round()) and codes.abs().max() <= 32639
+            assert float((q - v).abs().max()) <= s / 2  # the nearest step
+    assert got[:, :32].isfinite().all()
+    x[0, 3] = float("nan")
+    assert cpu_kernels.int4_x_as_int16(x, 32)[0, :32].isnan().all()  # a NaN reaches its group
+    assert cpu_kernels.int4_x_as_int16(x, 32)[0, 32:].isfinite().all()  # and only it
+    assert not cpu_kernels.int4_x_as_int16(torch.full((1, 32), 1e-31), 32).any()  # (tiny: zeros)
 
 
-@needs_bf16
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 33])
+@needs_int4_dot
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 13, 33])
 @pytest.mark.parametrize("spec,n,k", [("int4-g32", 48, 96), ("int4-g64", 32, 192),
                                       ("int4-g128", 64, 256), ("int4-g32", 960, 576)])
-def test_the_bf16_kernel_equals_the_reference_on_bf16_activations(rows, spec, n, k):
+def test_the_dot_kernel_equals_the_reference_on_int16_activations(rows, spec, n, k):
     lin = _int4_linear(n=n, k=k, spec=spec)
-    assert lin._labkit_kernel == "int4_linear_bf16" and lin.kscale.dtype == torch.int16
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    assert lin._labkit_kernel == "int4_linear_dot" and lin.kscale.shape == (n // 16,
+                                                                           16 * k // lin.group_size)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen) * torch.rand(1, k, generator=gen) * 4
     got = lin(x)
-    want = _rounded_reference(lin, x)  # only fp32 sums in another order may differ
-    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), spec
-    exact = lin.reference(x)  # fp32 x: bf16's rounding of x (2^-9) is all that is left
-    assert float((got - exact).abs().max()) <= 1e-2 * float(exact.abs().max()), spec
+    held = cpu_kernels.int4_x_as_int16(x, lin.group_size)
+    want = (held.double() @ lin.dequantized().double().t()).float()  # what the kernel sums
+    assert float((got - want).abs().max()) <= 1e-6 * float(want.abs().max()), spec
+    exact = lin.reference(x)  # fp32 x: the int16 steps (<= 2^-15 of a group's largest) left
+    assert float((got - exact).abs().max()) <= 2e-4 * float(exact.abs().max()), spec
+    # finer than x rounded to bf16 (2^-9 relative), torch's kernels' and the former kernel's
+    bf16 = (x.bfloat16().double() @ lin.dequantized().double().t()).float()
+    assert (got - exact).abs().max() < (bf16 - exact).abs().max()
 
 
-@needs_bf16
-def test_the_bf16_kernel_reads_back_each_weight_exactly():
+@needs_int4_dot
+def test_the_dot_kernel_reads_back_each_weight_exactly():
+    # a 1 alone in its group: scale 2^-14, code 16384, and every product exact
     lin = _int4_linear(n=64, k=128)
-    assert torch.equal(lin(torch.eye(128)).t(), lin.dequantized())  # 1 and 0 are exact in bf16
+    assert torch.equal(lin(torch.eye(128)).t(), lin.dequantized())
 
 
-@needs_bf16
-def test_the_bf16_kernel_refuses_operands_it_cannot_read():
+@needs_int4_dot
+def test_a_nan_in_x_reaches_the_outputs_as_an_fp32_product_would():
+    lin = _int4_linear(n=48, k=96)
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(12))
+    x[0, 40] = float("nan")
+    y = lin(x)
+    assert y[0].isnan().all() and y[1].isfinite().all()
+
+
+@needs_int4_dot
+def test_the_dot_kernel_refuses_operands_it_cannot_read():
     lin = _int4_linear(n=48, k=96)
     x = torch.randn(2, 96)
-    with pytest.raises(RuntimeError, match="int4_linear_bf16"):
-        built.int4_linear_bf16(torch.randn(2, 64), lin.kweight, lin.kscale)  # K disagrees
-    with pytest.raises(RuntimeError, match="int4_linear_bf16"):
-        built.int4_linear_bf16(x, lin.kweight, lin.kscale.int())  # not the int16 layout
-    with pytest.raises(RuntimeError, match="int4_linear_bf16"):
-        built.int4_linear_bf16(x.double(), lin.kweight, lin.kscale)  # not fp32
+    with pytest.raises(RuntimeError, match="int4_linear_dot"):
+        built.int4_linear_dot(torch.randn(2, 64), lin.kweight, lin.kscale)  # K disagrees
+    with pytest.raises(RuntimeError, match="int4_linear_dot"):
+        built.int4_linear_dot(x, lin.kweight, lin.kscale.short())  # not the int32 layout
+    with pytest.raises(RuntimeError, match="int4_linear_dot"):
+        built.int4_linear_dot(x.double(), lin.kweight, lin.kscale)  # not fp32
 
 
 @needs_kernel
-def test_labkit_bf16_dot_0_keeps_the_fp32_int4_kernel(monkeypatch):
-    monkeypatch.setenv("LABKIT_BF16_DOT", "0")
+def test_labkit_int4_dot_0_keeps_the_fp32_int4_kernel(monkeypatch):
+    monkeypatch.setenv("LABKIT_INT4_DOT", "0")
     lin = _int4_linear(n=48, k=96)
-    assert lin._labkit_kernel == "int4_linear" and lin.kscale.dtype == torch.int32
+    assert lin._labkit_kernel == "int4_linear" and lin.kscale.shape == (48, 3)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(lin(x), lin.reference(x), rtol=1e-5, atol=1e-5)
 
 
-def test_without_bf16_hardware_the_bf16_kernel_is_never_chosen(monkeypatch):
-    class NoBf16:
-        def has_bf16_dot(self):
+def test_without_vnni_the_dot_kernel_is_never_chosen(monkeypatch):
+    class NoDot:
+        def has_int4_dot(self):
             return False
 
-    monkeypatch.setitem(cpu_kernels._state, "module", NoBf16())
+    monkeypatch.setitem(cpu_kernels._state, "module", NoDot())
     scale = torch.ones(48, 3)
-    assert not cpu_kernels.int4_bf16_fits(48, 96, 32, scale, scale)
-
-
-def test_a_compiler_without_avx512_bf16_still_builds_the_other_kernels(monkeypatch):
-    tried = []
-
-    def build_with(flags):
-        tried.append(flags)
-        return None if "-mavx512bf16" in flags else "the avx2 module"
-
-    monkeypatch.setattr(cpu_kernels, "_flags", lambda: ["-mavx2", "-mfma", "-mavx512f",
-                                                        "-mavx512bw", "-mavx512bf16"])
-    monkeypatch.setattr(cpu_kernels, "_build_with", build_with)
-    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: f"/usr/bin/{name}")
-    assert cpu_kernels._build() == "the avx2 module"
-    assert tried[1] == ["-mavx2", "-mfma"]
+    assert not cpu_kernels.int4_dot_fits(48, 96, 32, scale, scale)
 
 
 def test_a_compiler_without_avx512_vnni_still_builds_the_other_kernels(monkeypatch):
-    # a CPU with AVX512-VNNI and no BF16 (a Cascade Lake): its build is named for what it has,
-    # and a compiler that cannot build it still gets the AVX2 one
+    # a CPU with AVX512-VNNI: its build is named for what it has, and a compiler that cannot
+    # build it still gets the AVX2 one
     tried = []
 
     def build_with(flags):
@@ -423,11 +445,9 @@ def test_a_build_is_named_for_its_vector_flags(monkeypatch):
 
     monkeypatch.setattr(cpu_kernels, "build_extension", build_extension)
     monkeypatch.setitem(cpu_kernels._state, "variant", None)
-    for flags in (["-mavx2", "-mfma", "-mavx512f", "-mavx512bf16", "-mavx512vnni"],
-                  ["-mavx2", "-mfma", "-mavx512f", "-mavx512vnni"], ["-mavx2", "-mfma"], []):
+    for flags in (["-mavx2", "-mfma", "-mavx512f", "-mavx512vnni"], ["-mavx2", "-mfma"], []):
         cpu_kernels._build_with(flags)
-    assert names == ["labkit_kernels_avx512bf16", "labkit_kernels_avx512vnni",
-                     "labkit_kernels_avx2", "labkit_kernels_generic"]
+    assert names == ["labkit_kernels_avx512vnni", "labkit_kernels_avx2", "labkit_kernels_generic"]
 
 
 def test_the_kernel_can_be_turned_off(monkeypatch):

@@ -74,8 +74,8 @@ def test_packed_kernel_layout_holds_the_codes(spec):
     ql = QuantLinear.from_weight(w, QuantScheme.parse(spec))
     got = ql(torch.eye(128)).t()  # [N, K]
     want = ql.dequantized()
-    # labkit's kernels sum in fp32: exact (int4: cpu_kernels.int4_layout or int4_bf16_layout,
-    # whose bf16 activations are exact here: the identity's 0s and 1s)
+    # labkit's kernels sum in fp32: exact (int4: cpu_kernels.int4_layout, or int4_dot_layout,
+    # whose int16 activations hold the identity's 0s and 1s exactly, with exact products)
     labkits = cpu_kernels.kernels() is not None and ql._labkit_kernel is not None
     if not labkits:  # torch's kernels output bf16
         want = want.bfloat16().float()
@@ -118,20 +118,20 @@ def test_an_int8_linear_on_labkits_tiles_holds_only_them_and_gives_the_codes_bac
     assert torch.equal(ql(x), before) and ql._labkit_kernel == "int8_linear_tiled"
 
 
-@pytest.mark.parametrize("bf16_dot", ["1", "0"])
+@pytest.mark.parametrize("int4_dot", ["1", "0"])
 def test_an_int4_linear_on_labkits_layout_holds_only_it_and_gives_the_codes_back(
-        monkeypatch, bf16_dot):
+        monkeypatch, int4_dot):
     # labkit's int4 layouts are exact: such a linear keeps no canonical copy, and what it
     # gives back for the cache, the reference and a move is exactly what it was given
-    monkeypatch.setenv("LABKIT_BF16_DOT", bf16_dot)
+    monkeypatch.setenv("LABKIT_INT4_DOT", int4_dot)
     w = torch.randn(96, 128, generator=torch.Generator().manual_seed(8))
     q, s, z = quantize_int4(w, 32, bf16_scales=True)
     ql = QuantLinear(128, 96, QuantScheme.parse("int4-g32"))
     ql.set_codes(pack_int4(q), s, z)
     if ql._labkit_kernel is None:
         pytest.skip("labkit's CPU kernels are not built here: the canonical codes are kept")
-    assert ql._labkit_kernel == ("int4_linear_bf16" if bf16_dot == "1" and
-                                 cpu_kernels.kernels().has_bf16_dot() else "int4_linear")
+    assert ql._labkit_kernel == ("int4_linear_dot" if int4_dot == "1" and
+                                 cpu_kernels.kernels().has_int4_dot() else "int4_linear")
     assert {n for n, _ in ql.named_buffers()} == {"kweight", "kscale"}
     state = ql.state_dict()
     assert not hasattr(ql, "qweight")  # no canonical copy: canonical() recovers it

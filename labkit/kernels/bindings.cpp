@@ -8,8 +8,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear_tiled", &int8_linear_tiled,
         "int8_linear on labkit's tiles of the codes (int8_tiled_layout; AVX512-VNNI builds)");
   m.def("int4_linear", &int4_linear, "y = x W^T, W int4 codes with a scale and zero per group");
-  m.def("int4_linear_bf16", &int4_linear_bf16, "int4_linear on a bf16 dot product");
-  m.def("has_bf16_dot", &has_bf16_dot, "whether this build has int4_linear_bf16");
+  m.def("int4_linear_dot", &int4_linear_dot,
+        "int4_linear on an integer dot product, x as int16 (AVX512-VNNI builds)");
+  m.def("has_int4_dot", &has_int4_dot, "whether this build has int4_linear_dot");
   m.def("has_int8_dot", &has_int8_dot, "whether int8_linear holds x as int16 (AVX512-VNNI)");
   m.def("paged_attention", &paged_attention, "attention over the KV pool, read in place");
   m.def("flash_attention", &flash_attention,

@@ -4,7 +4,7 @@ CPU has them, a scalar loop of the same structure elsewhere), for the places whe
 cost more in dispatch or conversion than in arithmetic:
 
     lanes.h              the fixed-order lane reductions every kernel shares (batch invariance)
-    quant_linear.cpp     int8_linear(_tiled), int4_linear, int4_linear_bf16
+    quant_linear.cpp     int8_linear(_tiled), int4_linear, int4_linear_dot
     attention_tiles.h    what both attention kernels share: scores, exp and sum, weighted V
     paged_attention.cpp  paged_attention
     flash_attention.cpp  flash_attention
@@ -45,18 +45,22 @@ buffer and reuse it (measured in a SmolLM2 step against torch's kernel with its 
 1 row, 1.3x at 3, 2x at 32). A factored form (the scale applied per group, not per weight)
 did less arithmetic per weight and lost to this one inside the model.
 
-**int4_linear_bf16** (built on CPUs with AVX512-BF16): there the factored form wins, because
-the codes need not become fp32. A code 0..15 is exact in bf16, so one 16-entry lookup
-(`vpermw`) turns 32 codes into bf16, and one `vdpbf16ps` does 32 multiply-adds into fp32 sums
-against x rounded to bf16 (as torch's packed kernels round it); a group's scale and zero are
-applied once, to its sum. Lanes are 16 output rows (`int4_bf16_layout`). Measured in a SmolLM2
-int4 step on a 2-core AVX-512 machine: 1.5x faster than int4_linear at batch 1, 1.3x at 3,
-1.0x at 32. Each thread takes an equal run of 16-row blocks (a 576-row matrix is 36 blocks:
-18 each, where 9 items of 4 would split 5 : 4) and, while it multiplies one item, prefetches
-its next, a share each group. Its inner loop is six vector ops per 32 bytes of codes, two
-of them the dot products (results/cpu-kernels-2026-12-03.md: ~25 GB/s a core from L2).
-QuantLinear takes it where N is a multiple of 16 (`int4_bf16_fits`), unless
-`LABKIT_BF16_DOT=0`.
+**int4_linear_dot** (built on CPUs with AVX512-VNNI): there the factored form wins, because
+the codes need not become floats at all. x is held as int16 codes, one scale per group of K
+(`int4_x_as_int16`: a power of two, each value its nearest multiple, at most 32639 from 0:
+finer than bf16's rounding), each code split into a high and a low byte; a code 0..15 masked
+out of its byte pair is an unsigned byte, so `vpdpbusd` (64 byte multiply-adds into int32
+lanes an instruction) against each half gives a group's exact sum of code times code; a
+group's scale and zero are applied once, to that sum. Lanes are 16 output rows
+(`int4_dot_layout`: 8 k of 16 rows in 64 bytes, a mask each for the low and the high
+nibbles): four vector ops per 64 bytes of codes. Each thread takes an equal run of 16-row
+blocks (a 576-row matrix is 36 blocks: 18 each) and, while it multiplies one item, prefetches
+its next, a share each group. It replaced a kernel on the bf16 dot product (`vdpbf16ps`, codes
+to bf16 by a `vpermw` lookup, x rounded to bf16: twelve vector ops per 64 bytes), itself 1.5x
+int4_linear at batch 1: in a SmolLM2 step's 121 linears, alternating in one process on this
+course's VM, this one is 1.03-1.18x faster at batch 1 (median 1.14x), 0.93-1.04x at 2 to 32
+rows, with x held more finely (results/cpu-kernels-2026-12-05i.md). QuantLinear takes it
+where N is a multiple of 16 (`int4_dot_fits`), unless `LABKIT_INT4_DOT=0`.
 
 **paged_attention**: each new token attends over its sequence's context by reading the K and V
 pool rows at the context's slots where they lie. The gather-then-SDPA path copies every
@@ -84,8 +88,8 @@ buffer (int8 on its integer dot product: each block's integer sum is exact in an
 the blocks are scaled and added in one order). In paged_attention and flash_attention each
 (token, KV head) runs the same code alone, and flash_attention folds a token's tiles in one
 order whichever thread computed them.
-The engine's claims need this (int4_linear_bf16: each output's group sums, then its scaled
-total, in one order for every row count): the pipelined decoder's zombie rows change a step's
+The engine's claims need this (int4_linear_dot: each output's exact group sums, then its
+scaled total, in one order for every row count): the pipelined decoder's zombie rows change a step's
 row count, chunked prefill changes which tokens share a step, and the tokens must not change.
 An int8 kernel that switched paths with the row count broke exactly that (measured: see
 results/cpu-quiet-2026-12-01.md).
@@ -137,17 +141,15 @@ _state: dict[str, object] = {}
 
 def _flags() -> list[str]:
     """Vector flags this CPU runs (the build is cached per flag set, so per CPU kind). A CPU
-    with AVX512-BF16 also gets `int4_linear_bf16` (`int4_bf16_fits` says when it serves), one
-    with AVX512-VNNI int8_linear's integer dot product."""
+    with AVX512-VNNI also gets the integer dot products: int8_linear's and `int4_linear_dot`
+    (`int4_dot_fits` says when it serves)."""
     cap = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
     if cap not in ("AVX2", "AVX512"):
         return []
     flags = ["-mavx2", "-mfma"]
     if cap == "AVX512":
-        extra = ((["-mavx512bf16"] if torch.cpu._is_avx512_bf16_supported() else [])
-                 + (["-mavx512vnni"] if torch.cpu._is_vnni_supported() else []))
-        if extra:
-            flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", *extra]
+        if torch.cpu._is_vnni_supported():
+            flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
     return flags
 
 
@@ -184,8 +186,13 @@ def int4_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     n, k = codes.shape
     q = codes.to(torch.uint8).reshape(n, k // 16, 2, 8)  # [N, blocks, low/high, 8]
     packed = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return packed, _scale_zero_bits(scale, zero)
+
+
+def _scale_zero_bits(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """[N, K/G] int32: each group's bf16 scale in the low half, its bf16 zero in the high."""
     bits = lambda t: t.bfloat16().view(torch.int16).to(torch.int32) & 0xFFFF  # noqa: E731
-    return packed, (bits(scale) | (bits(zero) << 16)).contiguous()
+    return (bits(scale) | (bits(zero) << 16)).contiguous()
 
 
 def int4_codes(packed: torch.Tensor, sz: torch.Tensor
@@ -257,43 +264,76 @@ def int8_tiled_codes(tiles: torch.Tensor, n: int, k: int | None = None) -> torch
     return codes[:n, :k].contiguous()
 
 
-def int4_bf16_fits(n: int, k: int, group_size: int, scale: torch.Tensor,
-                   zero: torch.Tensor) -> bool:
-    """Whether `int4_linear_bf16` can serve an int4 linear [n, k]: whatever `int4_linear`
-    needs (`int4_fits`), and this build has the bf16 dot product (an AVX512-BF16 CPU),
-    `LABKIT_BF16_DOT` is not 0, N is a multiple of 16 (lanes are output rows), K of 32."""
-    return (os.environ.get("LABKIT_BF16_DOT", "1") != "0" and n % 16 == 0 and k % 32 == 0
-            and int4_fits(k, group_size, scale, zero) and kernels().has_bf16_dot())
+def int4_dot_fits(n: int, k: int, group_size: int, scale: torch.Tensor,
+                  zero: torch.Tensor) -> bool:
+    """Whether `int4_linear_dot` can serve an int4 linear [n, k]: whatever `int4_linear` needs
+    (`int4_fits`), and this build has the integer dot product (an AVX512-VNNI CPU),
+    `LABKIT_INT4_DOT` is not 0, N is a multiple of 16 (lanes are output rows), K of 32."""
+    return (os.environ.get("LABKIT_INT4_DOT", "1") != "0" and n % 16 == 0 and k % 32 == 0
+            and int4_fits(k, group_size, scale, zero) and kernels().has_int4_dot())
 
 
-def int4_bf16_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`int4_linear_bf16`'s operands from canonical int4 codes [N, K] (0..15) and bf16-valued
-    scales and zeros [N, K/G]: codes [N/16, 8K] uint8, for each block of 16 rows and each 4
-    consecutive k (t) 32 bytes, byte 2i+e holding row i's k = 4t+e in the low nibble and
-    k = 4t+2+e in the high one; sz [N/16, 32 K/G] int16, per block and group the 16 rows' bf16
-    scales, then their 16 zeros."""
+INT4_X_LEVELS = 32639  # int4_linear_dot: x codes within +-this (a code's high byte is int8)
+
+
+def int4_x_scale(amax: torch.Tensor) -> torch.Tensor:
+    """`int4_linear_dot`'s scale for groups of x whose largest |x| is `amax` (fp32): the least
+    power of two s with amax / s <= 32639, so a code times s is an exact fp32 value; 0 where
+    amax is below 1e-30 (the group held as zeros), NaN or inf where amax is."""
+    _, e = torch.frexp(amax / INT4_X_LEVELS)  # an estimate (the division rounds), as C++'s
+    s = torch.exp2(e.float())
+    s = torch.where(amax / (0.5 * s) <= INT4_X_LEVELS, 0.5 * s, s)  # exact: powers of two
+    s = torch.where(amax / s > INT4_X_LEVELS, 2 * s, s)
+    s = torch.where(amax > INT8_X_TINY, s, torch.zeros_like(s))
+    return torch.where(amax.isnan() | amax.isinf(), amax, s)
+
+
+def int4_x_as_int16(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The x that `int4_linear_dot` multiplies, as fp32: each group of `group_size` values of a
+    row a whole number of steps of its scale (`int4_x_scale`, a power of two: at most 32639
+    steps from 0) from 0, the nearest (ties to even), so each value moves at most amax /
+    32639; a group holding a NaN gets a NaN scale. The kernel multiplies the codes exactly and
+    applies the scale to each group's integer sums: its product is this x times the
+    dequantized weights."""
+    k = x.shape[-1]
+    out = torch.empty_like(x, dtype=torch.float32)
+    for k0 in range(0, k, group_size):
+        v = x[..., k0:k0 + group_size].float()
+        amax = v.abs().amax(dim=-1, keepdim=True)
+        amax = torch.where(v.isnan().any(dim=-1, keepdim=True), torch.nan, amax)
+        s = int4_x_scale(amax)
+        inv = torch.where((s > 0) & ~s.isinf(), 1.0 / s, torch.zeros_like(s))
+        out[..., k0:k0 + group_size] = torch.round(v * inv) * s
+    return out
+
+
+def int4_dot_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_linear_dot`'s operands from canonical int4 codes [N, K] (0..15) and bf16-valued
+    scales and zeros [N, K/G]: codes [N/16, 8K] uint8, for each block of 16 rows and each 8
+    consecutive k (u) 64 bytes, byte 4i+e holding row i's k = 8u+e in the low nibble and
+    k = 8u+4+e in the high one; sz [N/16, 16 K/G] int32, per block and group the 16 rows'
+    bf16 scale (low half) and zero (high half), as `int4_layout` holds them."""
     n, k = codes.shape
     ng = scale.shape[1]
-    c = codes.to(torch.uint8).reshape(n // 16, 16, k // 4, 2, 2)  # [blk, i, t, high, e]
-    c = c.permute(0, 2, 1, 4, 3)  # [blk, t, i, e, high]
+    c = codes.to(torch.uint8).reshape(n // 16, 16, k // 8, 2, 4)  # [blk, i, u, high, e]
+    c = c.permute(0, 2, 1, 4, 3)  # [blk, u, i, e, high]
     packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // 16, 8 * k).contiguous()
-    s, z = (t.bfloat16().view(torch.int16).reshape(n // 16, 16, ng).transpose(1, 2)
-            for t in (scale, zero))  # [blk, group, 16 rows] each
-    return packed, torch.stack([s, z], 2).reshape(n // 16, 32 * ng).contiguous()
+    sz = _scale_zero_bits(scale, zero).reshape(n // 16, 16, ng).transpose(1, 2)
+    return packed, sz.reshape(n // 16, 16 * ng).contiguous()
 
 
-def int4_bf16_codes(packed: torch.Tensor, sz: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of `int4_bf16_layout`: codes [N, K] (uint8, 0..15), scales and zeros
+def int4_dot_codes(packed: torch.Tensor, sz: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `int4_dot_layout`: codes [N, K] (uint8, 0..15), scales and zeros
     [N, K/G] (fp32), exactly the values it was given."""
     nb, k8 = packed.shape
-    n, k, ng = 16 * nb, k8 // 8, sz.shape[1] // 32
-    c = packed.reshape(nb, k // 4, 16, 2, 1)  # [blk, t, i, e, 1]
-    c = torch.cat([c & 15, c >> 4], dim=4)  # [blk, t, i, e, high]
-    codes = c.permute(0, 2, 1, 4, 3).reshape(n, k)  # [blk, i, t, high, e]
-    s, z = sz.reshape(nb, ng, 2, 16).unbind(2)  # [blk, group, 16 rows] each
-    return (codes, *(_bf16_of(t.transpose(1, 2).reshape(n, ng)) for t in (s, z)))
+    n, k, ng = 16 * nb, k8 // 8, sz.shape[1] // 16
+    c = packed.reshape(nb, k // 8, 16, 4, 1)  # [blk, u, i, e, 1]
+    c = torch.cat([c & 15, c >> 4], dim=4)  # [blk, u, i, e, high]
+    codes = c.permute(0, 2, 1, 4, 3).reshape(n, k)  # [blk, i, u, high, e]
+    rows = sz.reshape(nb, ng, 16).transpose(1, 2).reshape(n, ng)
+    return codes, _bf16_of(rows & 0xFFFF), _bf16_of((rows >> 16) & 0xFFFF)
 
 
 def kernels():
@@ -310,8 +350,7 @@ def kernels():
 
 def status() -> str:
     """Which build of labkit's kernels serves in this process, or why none does (for a
-    learner reading a benchmark from another CPU): "avx512bf16" (with VNNI where the CPU has
-    it), "avx512vnni", "avx2", "generic", or the
+    learner reading a benchmark from another CPU): "avx512vnni", "avx2", "generic", or the
     reason, e.g. "off: LABKIT_CPU_KERNELS=0"."""
     if kernels() is not None:
         return str(_state.get("variant", "built"))
@@ -328,7 +367,7 @@ def _build():
     flags = _flags()
     module = _build_with(flags)
     if module is None and any(f.startswith("-mavx512") for f in flags):  # an older compiler
-        module = _build_with([f for f in flags if not f.startswith("-mavx512")])  # (no BF16)
+        module = _build_with([f for f in flags if not f.startswith("-mavx512")])  # (no VNNI)
     if module is None:  # no working compiler: torch's kernels serve instead
         _state["reason"] = "the build failed (its error is on stderr)"
         warnings.warn("labkit's CPU kernels did not build; using torch's kernels and the "
@@ -339,8 +378,7 @@ def _build():
 def _build_with(flags: list[str]):
     """The kernels built with these vector flags, from the cache or compiled now; None when
     the compiler fails."""
-    variant = ("avx512bf16" if "-mavx512bf16" in flags else "avx512vnni"
-               if "-mavx512vnni" in flags else "avx2" if flags else "generic")
+    variant = "avx512vnni" if "-mavx512vnni" in flags else "avx2" if flags else "generic"
     _state["variant"] = variant
     try:
         return build_extension(f"labkit_kernels_{variant}", [HERE / s for s in SOURCES],

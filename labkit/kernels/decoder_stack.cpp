@@ -16,7 +16,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // one linear of a layer: how its weights are stored decides the call
-enum LinearKind : int64_t { kFp32 = 0, kInt8 = 1, kInt4 = 2, kInt4Bf16 = 3, kInt8Tiled = 4 };
+enum LinearKind : int64_t { kFp32 = 0, kInt8 = 1, kInt4 = 2, kInt4Dot = 3, kInt8Tiled = 4 };
 
 struct Linear {
   int64_t kind = -1;  // -1: absent (the fused or the unfused form holds it)
@@ -220,8 +220,8 @@ class DecoderStack {
           at::Tensor y = int4_linear(x, lin.a, lin.b);
           return lin.bias ? y + *lin.bias : y;
         }
-        case kInt4Bf16: {
-          at::Tensor y = int4_linear_bf16(x, lin.a, lin.b);
+        case kInt4Dot: {
+          at::Tensor y = int4_linear_dot(x, lin.a, lin.b);
           return lin.bias ? y + *lin.bias : y;
         }
         default:

@@ -1,9 +1,9 @@
 // The linears labkit computes itself, y = x W^T: fp32_linear (fp32 weights, a few rows), and
 // with W stored in fewer bits int8_linear (int8 codes, one fp32 scale per output row; on an
 // integer dot product with x held as int16 where the CPU has AVX512-VNNI), int4_linear (4-bit
-// codes, a bf16 scale and zero per group of K) and int4_linear_bf16 (the same on a bf16 dot
-// product, AVX512-BF16 CPUs). int4_linear's many-row path reuses the fp32 tiles on codes it
-// dequantized into an L1 buffer.
+// codes, a bf16 scale and zero per group of K) and int4_linear_dot (the same on an integer dot
+// product with x held as int16, AVX512-VNNI CPUs). int4_linear's many-row path reuses the fp32
+// tiles on codes it dequantized into an L1 buffer.
 #include "lanes.h"
 
 // Where a kernel asks for the weights it reads next: into L2 (locality 2, prefetcht1), not L1.
@@ -121,7 +121,7 @@ static void rows(const float* x, int64_t M, int64_t K, const W* w, float* y, int
 // course's 2 cores, no faster than memory delivers them, so it can never read faster. Here x
 // is held as int16 instead: each block of 64 of a row's values gets one fp32 scale (its largest
 // |x| / 32767) and each value the nearest of those levels (within amax / 65534 of its own:
-// finer than bf16's rounding, which int4_linear_bf16 and torch's kernels make). One vpmovsxbw
+// finer than bf16's rounding, which torch's kernels make). One vpmovsxbw
 // widens 32 codes to int16 and one vpdpwssd does 32 multiply-adds into int32 lanes, exactly:
 // in cache 34-63 GB/s, 2-3x the fp32 path. y[m, n] = s[n] * (sum_b xs[m, b] * sum_{k in b}
 // xq[m, k] q[n, k]): each block's integer sum, made fp32 and scaled, multiply-added into
@@ -661,39 +661,86 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz) {
   return y;
 }
 
-// ---- int4 on a bf16 dot product (AVX512-BF16 CPUs: the build for them defines it) ----
-// Where the CPU multiplies bf16 pairs into fp32 sums (vdpbf16ps: 32 multiply-adds an
-// instruction), int4 need not become fp32 at all: a code 0..15 is exact in bf16, so a 16-entry
-// lookup (vpermw) turns 32 codes into bf16 in one instruction, and the group's scale and zero
-// are applied once per group: y[m, n] = sum_g s[n,g] sum_{k in g} x'[m,k] q[n,k]
-//                                            + (z[n,g] - 8 s[n,g]) sum_{k in g} x'[m,k],
-// x' being x rounded to bf16 (the only rounding the fp32 kernel does not make; torch's packed
-// kernels round x the same way). Lanes are 16 output rows, not 16 k: codes [N/16, K/4, 32]
-// uint8, byte 2i+e of a (row block, k/4) holding row i's k = 4t+e in its low nibble and
-// k = 4t+2+e in its high one (`int4_bf16_layout`), so one 32-byte load, a widen, a mask and a
-// shift give the (k, k+1) pairs of 16 rows for two dot products; sz [N/16, K/G, 32] int16: a
-// group's 16 bf16 scales, then its 16 zeros. Each output: pairs (4t, 4t+1) into one group
-// sum, (4t+2, 4t+3) into another, added at the group's end, scaled, its zero term added, in
-// that order whatever the number of rows: batch-invariant as the fp32 kernels are.
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-static constexpr bool kBf16Dot = true;
+// ---- int4 on an integer dot product (AVX512-VNNI CPUs: the build for them defines it) ----
+// Where the CPU multiplies bytes into int32 sums (vpdpbusd: 64 multiply-adds an instruction,
+// unsigned bytes by signed ones), int4 need not become a float at all: a code 0..15 is an
+// unsigned byte once masked out of its pair, and x is held as int16 codes (one scale per
+// group of K, a power of two: a value's code its nearest level, at most 32639 levels from 0,
+// within amax / 32639 of it, finer than bf16's rounding), each code split into a high and a
+// low signed byte (q = 256 h + l), so two byte dot products give the exact sum of code times
+// code:
+//   y[m, n] = sum_g sx[m,g] (s[n,g] sum_{k in g} q[n,k] xq[m,k] + (z[n,g] - 8 s[n,g]) sum_{k in g} xq[m,k])
+// which is x' W^T for x' = xq sx, the x `int4_x_as_int16` gives (W's weights exactly as
+// dequantize_int4 has them: q s + z - 8 s). Lanes are 16 output rows: codes [N/16, K/8, 64]
+// uint8, lane i's 4 bytes of a (row block, k/8) holding row i's k = 8u+e in byte e's low
+// nibble and k = 8u+4+e in its high one (`int4_dot_layout`), so one 64-byte load and two masks
+// give 8 k of 16 rows (the high nibbles left in place, times 16, and the sum shifted back:
+// exact); sz [N/16, K/G, 16] int32: a row's bf16 scale in the low half, its bf16 zero in the
+// high half. Per group and output: the integer sums (exact in any order), then two multiply-
+// adds into the fp32 sum, groups in order, whatever the number of rows: batch-invariant.
+// Four vector ops per 64 bytes of codes where the bf16 product took twelve (a widen, a shift,
+// two lookups and two products per 32 bytes), and x is held more finely: measured in a SmolLM2
+// step's 121 linears at batch 1 (results/cpu-kernels-2026-12-05i.md) 1.03-1.18x faster
+// (median 1.14x), 0.93-1.04x at 2 to 32 rows, where both are bound by their dot products.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+static constexpr bool kInt4Dot = true;
+static constexpr float kX4Levels = 32639.f;  // |code| <= this: its high byte (q + 128) >> 8 <= 127
 
-// RM rows of x against RB blocks of 16 output rows (several blocks: independent sums in flight
-// when there are few rows of x; the sums themselves are the same for every RB and RM)
-// While it reads its own blocks, it asks for `pf_bytes` bytes at `pf` (the thread's next
-// blocks), a share each group: those bytes are on their way when their turn comes.
+// a group of x's scale: the least power of two that puts amax within 32639 of its levels
+// (codes times it are exact fp32 values, and so are its products with the weights' bf16
+// scales); 0 below kTinyX (the group held as zeros), NaN or inf where amax is
+static inline float x4_scale(float amax) {
+  if (std::isnan(amax) || std::isinf(amax)) return amax;
+  if (!(amax > kTinyX)) return 0.f;
+  int ex;
+  std::frexp(amax / kX4Levels, &ex);  // an estimate: the division rounds
+  float sc = std::ldexp(1.f, ex);
+  if (amax / (0.5f * sc) <= kX4Levels) sc *= 0.5f;  // (exact divisions: powers of two)
+  if (amax / sc > kX4Levels) sc *= 2.f;
+  return sc;
+}
+
+// a row of x: for each group of G values its scale sx[g] (x4_scale), its codes' high and low
+// bytes h, l [K] and sx[g] times the codes' sum, xs[g]
+static void x_to_int4dot(const float* x, int64_t K, int64_t G, int8_t* h, int8_t* l, float* sx,
+                         float* xs) {
+  for (int64_t k0 = 0; k0 < K; k0 += G) {
+    __m512 m = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t k = k0; k < k0 + G; k += 16) {
+      const __m512 v = _mm512_loadu_ps(x + k);
+      m = _mm512_max_ps(m, _mm512_abs_ps(v));
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    const float amax = nan ? NAN : _mm512_reduce_max_ps(m);
+    const float sc = x4_scale(amax), inv = sc > 0.f && !std::isinf(sc) ? 1.f / sc : 0.f;
+    __m512i qsum = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k0 + G; k += 16) {  // nearest level, ties to even (x * inv exact)
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k),
+                                                         _mm512_set1_ps(inv)));
+      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+      const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(h + k), _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(l + k), _mm512_cvtepi32_epi8(lo));
+      qsum = _mm512_add_epi32(qsum, q);
+    }
+    sx[k0 / G] = sc;
+    xs[k0 / G] = sc * (float)_mm512_reduce_add_epi32(qsum);  // |sum| < 2^24: exact, and x2^n
+  }
+}
+
+// RM rows of x against RB blocks of 16 output rows (RB > 1: independent sums in flight when
+// there is one row of x; the sums themselves are the same for every RB and RM). xh, xl: the
+// rows' high and low bytes as words of 4 (ldx words a row), sx, xs: their groups' (ng a row).
+// While it reads its own blocks it asks for `pf_bytes` bytes at `pf`, a share each group.
 template <int RB, int RM>
-static inline void bf16_block(const uint32_t* xb, const float* xs, int64_t K, int64_t ng,
-                              int64_t G, const uint8_t* c, const uint16_t* sz, float* y,
-                              int64_t ldy, const char* pf, int64_t pf_bytes) {
-  // bf16 of 0..15, twice: vpermw reads an index's low 5 bits, so a byte's low nibble needs
-  // no mask (bit 4, the high nibble's lowest, picks the second copy): one vector op fewer
-  // per 32 codes (7 -> 6: a widen, a shift, two lookups, two dot products), the same values
-  const __m512i table = _mm512_set_epi16(
-      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
-      0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
-      0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-  const int64_t cs = K * 8, ss = ng * 32, kg = G / 4;  // a block's bytes of codes, of sz
+static inline void dot_block(const int32_t* xh, const int32_t* xl, int64_t ldx, const float* sx,
+                             const float* xs, int64_t K, int64_t ng, int64_t G,
+                             const uint8_t* c, const int32_t* sz, float* y, int64_t ldy,
+                             const char* pf, int64_t pf_bytes) {
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
+  const __m512i zero_half = _mm512_set1_epi32((int)0xFFFF0000u);
+  const int64_t cs = K * 8, ss = ng * 16, ug = G / 8;  // a block's bytes of codes, sz words
   __m512 acc[RM][RB];
   for (int i = 0; i < RM; ++i)
     for (int r = 0; r < RB; ++r) acc[i][r] = _mm512_setzero_ps();
@@ -701,32 +748,49 @@ static inline void bf16_block(const uint32_t* xb, const float* xs, int64_t K, in
   for (int64_t g = 0; g < ng; ++g) {
     for (int64_t off = g * pf_share; off < std::min(pf_bytes, (g + 1) * pf_share); off += 64)
       __builtin_prefetch(pf + off, 0, LK_LOC);
-    __m512 a0[RM][RB], a1[RM][RB];  // the group's sums: pairs (4t, 4t+1), pairs (4t+2, 4t+3)
+    // the group's sums of codes times high bytes (h) and times low bytes (l). One row of x
+    // keeps four (the high nibbles left in place, x16, in sums of their own: one mask fewer
+    // per load, and two dot products a sum, not four, in flight); more rows share one
+    // shifted vector of high nibbles and keep two sums each (fewer to add at the group's end).
+    // Integer sums: the same totals either way.
+    __m512i h0[RM][RB], l0[RM][RB], h1[RM][RB], l1[RM][RB];
     for (int i = 0; i < RM; ++i)
-      for (int r = 0; r < RB; ++r) a0[i][r] = a1[i][r] = _mm512_setzero_ps();
-    for (int64_t t = g * kg; t < (g + 1) * kg; ++t)
+      for (int r = 0; r < RB; ++r)
+        h0[i][r] = l0[i][r] = h1[i][r] = l1[i][r] = _mm512_setzero_si512();
+    for (int64_t u = g * ug; u < (g + 1) * ug; ++u)
       for (int r = 0; r < RB; ++r) {
-        const __m512i b = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * cs + t * 32)));
-        const __m512i w0 = _mm512_permutexvar_epi16(b, table);  // the low nibbles
-        const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
+        const __m512i v = _mm512_loadu_si512(c + r * cs + u * 64);
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = RM == 1 ? _mm512_and_si512(v, high)
+                                   : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         for (int i = 0; i < RM; ++i) {
-          const uint32_t* xr = xb + i * (K / 2) + 2 * t;
-          a0[i][r] = _mm512_dpbf16_ps(a0[i][r], (__m512bh)w0,
-                                      (__m512bh)_mm512_set1_epi32((int)xr[0]));
-          a1[i][r] = _mm512_dpbf16_ps(a1[i][r], (__m512bh)w1,
-                                      (__m512bh)_mm512_set1_epi32((int)xr[1]));
+          const int32_t* h = xh + i * ldx + 2 * u;
+          const int32_t* l = xl + i * ldx + 2 * u;
+          h0[i][r] = _mm512_dpbusd_epi32(h0[i][r], lo, _mm512_set1_epi32(h[0]));
+          l0[i][r] = _mm512_dpbusd_epi32(l0[i][r], lo, _mm512_set1_epi32(l[0]));
+          if (RM == 1) {
+            h1[i][r] = _mm512_dpbusd_epi32(h1[i][r], hi, _mm512_set1_epi32(h[1]));
+            l1[i][r] = _mm512_dpbusd_epi32(l1[i][r], hi, _mm512_set1_epi32(l[1]));
+          } else {
+            h0[i][r] = _mm512_dpbusd_epi32(h0[i][r], hi, _mm512_set1_epi32(h[1]));
+            l0[i][r] = _mm512_dpbusd_epi32(l0[i][r], hi, _mm512_set1_epi32(l[1]));
+          }
         }
       }
     for (int r = 0; r < RB; ++r) {
-      const uint16_t* p = sz + r * ss + g * 32;
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-      const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
+      const __m512i p = _mm512_loadu_si512(sz + r * ss + g * 16);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(p, zero_half));
       const __m512 bz = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), s, z);  // z - 8 s, exact
       for (int i = 0; i < RM; ++i) {
-        acc[i][r] = _mm512_fmadd_ps(_mm512_add_ps(a0[i][r], a1[i][r]), s, acc[i][r]);
+        // sum of code times code: 256 (high-byte sums) + (low-byte sums), |sum| < 2^31
+        const __m512i hs = RM == 1 ? _mm512_add_epi32(h0[i][r], _mm512_srai_epi32(h1[i][r], 4))
+                                   : h0[i][r];
+        const __m512i ls = RM == 1 ? _mm512_add_epi32(l0[i][r], _mm512_srai_epi32(l1[i][r], 4))
+                                   : l0[i][r];
+        const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(hs, 8), ls);
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
+                                    _mm512_mul_ps(s, _mm512_set1_ps(sx[i * ng + g])), acc[i][r]);
         acc[i][r] = _mm512_fmadd_ps(bz, _mm512_set1_ps(xs[i * ng + g]), acc[i][r]);
       }
     }
@@ -735,87 +799,62 @@ static inline void bf16_block(const uint32_t* xb, const float* xs, int64_t K, in
     for (int r = 0; r < RB; ++r) _mm512_storeu_ps(y + i * ldy + r * 16, acc[i][r]);
 }
 
-// up to 8 rows of x (they share each decoded code vector) against RB blocks
+// every row of x, up to 6 at a time (they share each loaded code vector), against RB blocks
 template <int RB>
-static inline void bf16_rows(const uint32_t* xb, const float* xs, int64_t M, int64_t K,
-                             int64_t ng, int64_t G, const uint8_t* c, const uint16_t* sz,
-                             float* y, int64_t N, const char* pf, int64_t pf_bytes) {
-  for (int64_t m = 0; m < M; m += 8) {
-    if (m > 0) pf_bytes = 0;  // asked for during the first 8 rows
-    const uint32_t* xq = xb + m * K / 2;
-    const float* xsq = xs + m * ng;
-    float* yq = y + m * N;
-    switch (std::min<int64_t>(8, M - m)) {
-      case 8: bf16_block<RB, 8>(xq, xsq, K, ng, G, c, sz, yq, N, pf, pf_bytes); break;
-      case 7: bf16_block<RB, 7>(xq, xsq, K, ng, G, c, sz, yq, N, pf, pf_bytes); break;
-      case 6: bf16_block<RB, 6>(xq, xsq, K, ng, G, c, sz, yq, N, pf, pf_bytes); break;
-      case 5: bf16_block<RB, 5>(xq, xsq, K, ng, G, c, sz, yq, N, pf, pf_bytes); break;
-      case 4: bf16_block<RB, 4>(xq, xsq, K, ng, G, c, sz, yq, N, pf, pf_bytes); break;
-      case 3: bf16_block<RB, 3>(xq, xsq, K, ng, G, c, sz, yq, N, pf, pf_bytes); break;
-      case 2: bf16_block<RB, 2>(xq, xsq, K, ng, G, c, sz, yq, N, pf, pf_bytes); break;
-      default: bf16_block<RB, 1>(xq, xsq, K, ng, G, c, sz, yq, N, pf, pf_bytes); break;
+static inline void dot_rows(const int32_t* xh, const int32_t* xl, const float* sx,
+                            const float* xs, int64_t M, int64_t K, int64_t ng, int64_t G,
+                            const uint8_t* c, const int32_t* sz, float* y, int64_t N,
+                            const char* pf, int64_t pf_bytes) {
+  const int64_t ldx = K / 4;
+  for (int64_t m = 0; m < M; m += 6) {
+    if (m > 0) pf_bytes = 0;  // asked for during the first 6 rows
+    const int64_t o = m * ldx, os = m * ng;
+    switch (std::min<int64_t>(6, M - m)) {
+      case 6: dot_block<RB, 6>(xh + o, xl + o, ldx, sx + os, xs + os, K, ng, G, c, sz,
+                               y + m * N, N, pf, pf_bytes); break;
+      case 5: dot_block<RB, 5>(xh + o, xl + o, ldx, sx + os, xs + os, K, ng, G, c, sz,
+                               y + m * N, N, pf, pf_bytes); break;
+      case 4: dot_block<RB, 4>(xh + o, xl + o, ldx, sx + os, xs + os, K, ng, G, c, sz,
+                               y + m * N, N, pf, pf_bytes); break;
+      case 3: dot_block<RB, 3>(xh + o, xl + o, ldx, sx + os, xs + os, K, ng, G, c, sz,
+                               y + m * N, N, pf, pf_bytes); break;
+      case 2: dot_block<RB, 2>(xh + o, xl + o, ldx, sx + os, xs + os, K, ng, G, c, sz,
+                               y + m * N, N, pf, pf_bytes); break;
+      default: dot_block<RB, 1>(xh + o, xl + o, ldx, sx + os, xs + os, K, ng, G, c, sz,
+                                y + m * N, N, pf, pf_bytes); break;
     }
   }
 }
 
-// y [M, N] = x [M, K] (fp32) times the int4 codes in int4_bf16_layout. One row of x takes 4
-// blocks of 16 output rows at a time, two or three rows take 2, more take 1.
-at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz) {
+// y [M, N] = x [M, K] (fp32) times the int4 codes in int4_dot_layout. One row of x takes 2
+// blocks of 16 output rows at a time (4 in flight had it read no faster), more rows take 1.
+at::Tensor int4_linear_dot(at::Tensor x, at::Tensor codes, at::Tensor sz) {
   const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0), N = NB * 16;
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && sz.dim() == 2 && K % 32 == 0 &&
-                  codes.size(1) == K * 8 && sz.size(0) == NB && sz.size(1) % 32 == 0 &&
-                  sz.size(1) > 0 && K % (sz.size(1) / 32) == 0 &&
-                  (K / (sz.size(1) / 32)) % 4 == 0 && x.is_contiguous() &&
+                  codes.size(1) == K * 8 && sz.size(0) == NB && sz.size(1) % 16 == 0 &&
+                  sz.size(1) > 0 && K % (sz.size(1) / 16) == 0 &&
+                  (K / (sz.size(1) / 16)) % 16 == 0 && x.is_contiguous() &&
                   codes.is_contiguous() && sz.is_contiguous() &&
                   x.scalar_type() == at::kFloat && codes.scalar_type() == at::kByte &&
-                  sz.scalar_type() == at::kShort,
-              "int4_linear_bf16: x [M, K] fp32, codes [N/16, 8K] uint8, sz [N/16, 32 K/G] "
-              "int16, K % 32 == 0, G % 4 == 0");
-  const int64_t ng = sz.size(1) / 32, G = K / ng;
+                  sz.scalar_type() == at::kInt,
+              "int4_linear_dot: x [M, K] fp32, codes [N/16, 8K] uint8, sz [N/16, 16 K/G] "
+              "int32, K % 32 == 0, G % 16 == 0");
+  const int64_t ng = sz.size(1) / 16, G = K / ng;
   auto y = at::empty({M, N}, x.options());
-  // x rounded to bf16 once per call (pairs as uint32), and each group's sum of those values
-  std::vector<uint32_t> xb(M * K / 2);
-  std::vector<float> xs(M * ng);
+  // x as int16 codes once per call: high and low bytes, each group's scale and scaled sum
+  std::vector<int32_t> xh(M * K / 4), xl(M * K / 4);
+  std::vector<float> sx(M * ng), xs(M * ng);
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < K; k += 32)
-      _mm512_storeu_si512(xb.data() + (m * K + k) / 2,
-                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xp + m * K + k + 16),
-                                                       _mm512_loadu_ps(xp + m * K + k)));
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(xb.data() + m * K / 2);
-    if (G % 16 == 0) {  // a group's values 16 lanes at a time, the lanes reduced by sum16
-      // (0.2-0.4 us a call less than the scalar sums below, of 3.3-5 us for a small linear)
-      for (int64_t g = 0; g < ng; ++g) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t k = 0; k < G; k += 16)
-          acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + g * G + k))), 16)));
-        xs[m * ng + g] = sum16(acc);
-      }
-      continue;
-    }
-    for (int64_t g0 = 0; g0 < ng; g0 += 8) {  // 8 groups' sums side by side (independent
-      // chains, not one long one), each summed over its k in ascending order
-      const int64_t n = std::min<int64_t>(8, ng - g0);
-      float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t k = 0; k < G; ++k)
-        for (int64_t u = 0; u < n; ++u) {
-          const uint32_t bits = (uint32_t)h[(g0 + u) * G + k] << 16;
-          float f;
-          std::memcpy(&f, &bits, 4);
-          sum[u] += f;
-        }
-      for (int64_t u = 0; u < n; ++u) xs[m * ng + g0 + u] = sum[u];
-    }
-  }
+  for (int64_t m = 0; m < M; ++m)
+    x_to_int4dot(xp + m * K, K, G, reinterpret_cast<int8_t*>(xh.data() + m * K / 4),
+                 reinterpret_cast<int8_t*>(xl.data() + m * K / 4), sx.data() + m * ng,
+                 xs.data() + m * ng);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<int16_t>());
+  const int32_t* sp = sz.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t cs = K * 8, ss = ng * 32, RB = M == 1 ? 4 : M < 4 ? 2 : 1;
-  const uint32_t* xq = xb.data();
-  const float* xsq = xs.data();
-  // each thread an equal run of blocks (not of items: 9 items of 4 blocks would split 5 : 4),
-  // taken RB at a time; while it multiplies one item it asks for its next one
+  const int64_t cs = K * 8, ss = ng * 16, RB = M == 1 ? 2 : 1;
+  // each thread an equal run of blocks, taken RB at a time; while it multiplies one item it
+  // asks for its next one
   const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NB));
   at::parallel_for(0, nth, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t th = t0; th < t1; ++th) {
@@ -824,20 +863,15 @@ at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz) {
         const int64_t rb = std::min<int64_t>(RB, hi - r0);
         const int64_t p0 = r0 + rb, nx = std::min<int64_t>(RB, hi - p0);
         const char* pf = reinterpret_cast<const char*>(cp + p0 * cs);
-        const int64_t pf_bytes = nx * cs;
         const char* next_sz = reinterpret_cast<const char*>(sp + p0 * ss);
-        for (int64_t off = 0; off < nx * ss * 2; off += 64)
+        for (int64_t off = 0; off < nx * ss * 4; off += 64)
           __builtin_prefetch(next_sz + off, 0, LK_LOC);
-        if (rb == 4) {
-          bf16_rows<4>(xq, xsq, M, K, ng, G, cp + r0 * cs, sp + r0 * ss, yp + r0 * 16, N, pf,
-                       pf_bytes);
-        } else if (rb == 2) {
-          bf16_rows<2>(xq, xsq, M, K, ng, G, cp + r0 * cs, sp + r0 * ss, yp + r0 * 16, N, pf,
-                       pf_bytes);
-        } else {  // one block at a time (a thread's last, short item of 4)
-          for (int64_t r = r0; r < r0 + rb; ++r)
-            bf16_rows<1>(xq, xsq, M, K, ng, G, cp + r * cs, sp + r * ss, yp + r * 16, N, pf,
-                         r == r0 ? pf_bytes : 0);
+        if (rb == 2) {
+          dot_rows<2>(xh.data(), xl.data(), sx.data(), xs.data(), M, K, ng, G, cp + r0 * cs,
+                      sp + r0 * ss, yp + r0 * 16, N, pf, nx * cs);
+        } else {
+          dot_rows<1>(xh.data(), xl.data(), sx.data(), xs.data(), M, K, ng, G, cp + r0 * cs,
+                      sp + r0 * ss, yp + r0 * 16, N, pf, nx * cs);
         }
       }
     }
@@ -845,12 +879,12 @@ at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz) {
   return y;
 }
 #else
-static constexpr bool kBf16Dot = false;
+static constexpr bool kInt4Dot = false;
 
-at::Tensor int4_linear_bf16(at::Tensor x, at::Tensor codes, at::Tensor sz) {
-  TORCH_CHECK(false, "int4_linear_bf16: this build has no bf16 dot product (AVX512-BF16)");
+at::Tensor int4_linear_dot(at::Tensor x, at::Tensor codes, at::Tensor sz) {
+  TORCH_CHECK(false, "int4_linear_dot: this build has no integer dot product (AVX512-VNNI)");
   return x;
 }
 #endif
 
-bool has_bf16_dot() { return kBf16Dot; }
+bool has_int4_dot() { return kInt4Dot; }
