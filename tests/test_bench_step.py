@@ -78,6 +78,8 @@ def test_a_step_reports_its_linears_read_rate_beside_the_probe(quant, capsys):
 def test_the_step_read_ratio_sampler_gives_the_probe_over_a_pass(monkeypatch):
     # notebook 03's claim samples it: a positive ratio per call (the probe's time over a pass
     # over every linear of a step); None where labkit's kernels do not serve every linear
+    import torch
+
     from labkit.bench import linear_rate
     from labkit.kernels import cpu as cpu_kernels
     from labkit.loading import load_model
@@ -88,18 +90,22 @@ def test_the_step_read_ratio_sampler_gives_the_probe_over_a_pass(monkeypatch):
         assert sampler is None
         return
     passes = []
-    plain = linear_rate._call
+    plain = linear_rate._Pair.one_pass
 
-    def counted(lin):
-        fn, args = plain(lin)
-        return (lambda *a: passes.append(1) or fn(*a)), args
+    def counted(pair):
+        passes.append(len(pair.calls))
+        plain(pair)
 
-    monkeypatch.setattr(linear_rate, "_call", counted)
+    monkeypatch.setattr(linear_rate._Pair, "one_pass", counted)
     sampler = linear_rate.step_read_ratio(model)
     n = len(passes)  # its warm-up pass
     ratios = [sampler(), sampler(), sampler()]
     assert all(0 < r < 100 for r in ratios), ratios
-    assert n == 2 * 4 + 1 and len(passes) == 4 * n  # tiny: 2 fused layers of 4, the head
+    # a pass a call, over every linear (tiny: 2 fused layers of 4, the head), from C++
+    assert n == 1 and passes == [2 * 4 + 1] * 4
+    x, w = torch.randn(1, 8), torch.randn(16, 8)
+    with pytest.raises(RuntimeError, match="unknown kind"):
+        cpu_kernels.kernels().linear_pass([(99, x, w, w)], 1)
     monkeypatch.setattr(linear_rate, "_kernel", lambda lin: None)
     assert linear_rate.step_read_ratio(model) is None  # a linear labkit does not serve
 
@@ -135,7 +141,7 @@ def test_the_probe_reads_the_weights_own_memory_where_they_lie_together():
     pages.place_weights(model, min_bytes=0)
     pair = linear_rate._Pair(order)
     assert pair.probe.startswith("the weights' own memory") and len(pair.spans) <= 2
-    weights = [t for _, args in pair.calls for t in args[1:]]
+    weights = [t for _, _, a, b in pair.calls for t in (a, b) if t.numel()]
     lo = min(s.data_ptr() for s in pair.spans)
     hi = max(s.data_ptr() + s.numel() for s in pair.spans)
     assert all(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi

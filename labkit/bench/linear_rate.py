@@ -18,8 +18,9 @@ Three views, each timed in alternating turns with the probe (medians of the turn
   read as a step reads them), against the probe over the same bytes (one call a span);
 - the whole bare forward against the probe over those bytes: its memory floor (`forward_floor`).
 The first two call the kernel itself (`_kernel`: the one that serves the linear), not the
-module: the module adds a few microseconds of Python a call, which the step's phase table
-counts.
+module, and from C++ as the engine's DecoderStack calls it (`linear_pass`): the module adds a
+few microseconds of Python a call, which the step's phase table counts, and a call from
+Python one or two more, which the engine does not pay.
 """
 
 from __future__ import annotations
@@ -58,16 +59,21 @@ def _shape(lin) -> tuple[int, int, int]:
     return lin.out_features, lin.in_features, lin.weight_bytes
 
 
+_NONE = torch.empty(0)
+
+
 def _call(lin) -> tuple:
-    """(kernel, its arguments) for one row of x through `lin`."""
-    mod = cpu_kernels.kernels()
+    """(kind, x, a, b): one row of x through `lin` as `linear_pass` (decoder_stack.cpp) takes
+    it, the kind as the DecoderStack numbers its kernels (labkit.kernels.stack)."""
+    from labkit.kernels.stack import _KINDS
+
     kernel = _kernel(lin)
     x = torch.randn(1, _shape(lin)[1])  # x: [1, K]
     if kernel == "fp32_linear":
-        return mod.fp32_linear, (x, lin if isinstance(lin, torch.Tensor) else lin.weight)
+        return 0, x, (lin if isinstance(lin, torch.Tensor) else lin.weight), _NONE
     if kernel == "int8_linear":
-        return mod.int8_linear, (x, lin.qweight, lin.scale)
-    return getattr(mod, kernel), (x, lin.kweight, lin.kscale)
+        return _KINDS[kernel], x, lin.qweight, lin.scale
+    return _KINDS[kernel], x, lin.kweight, lin.kscale
 
 
 MERGE_GAP = 64 << 10  # weights this close in one buffer are read as one span (a norm between)
@@ -107,7 +113,8 @@ class _Pair:
         self.calls = [_call(lin) for lin in lins]
         self.nbytes = sum(_shape(lin)[2] for lin in lins)
         self.probe_fn = cpu_kernels.kernels().read_probe
-        self.spans = _spans([a for _, args in self.calls for a in args[1:]])
+        self.pass_fn = cpu_kernels.kernels().linear_pass
+        self.spans = _spans([t for _, _, a, b in self.calls for t in (a, b) if t.numel()])
         if len(self.spans) > MAX_SPANS:
             # in the pages labkit keeps weights in (2 MiB where the kernel gives them: the
             # fastest read this CPU makes), written so the pages are really mapped
@@ -120,8 +127,7 @@ class _Pair:
         self.one_pass(), self.read()  # warm: first touches, the thread pool started
 
     def one_pass(self) -> None:
-        for fn, args in self.calls:
-            fn(*args)
+        self.pass_fn(self.calls, 1)
 
     def read(self) -> None:
         for span in self.spans:

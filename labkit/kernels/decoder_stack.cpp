@@ -38,7 +38,55 @@ at::Tensor window(const at::Tensor& base, int64_t first, at::IntArrayRef sizes,
   return at::from_blob(base.data_ptr<float>() + first, sizes, strides, base.options());
 }
 
+// QuantLinear.forward / nn.Linear.forward for a 2-D x, the same calls (x made contiguous)
+at::Tensor apply_linear(const Linear& lin, const at::Tensor& x_in) {
+  at::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  switch (lin.kind) {
+    case kFp32: {  // few rows: labkit's kernel (as labkit.model.few_rows_fp32 chooses)
+      if (x.size(0) > kFp32KernelRows || !lin.a.is_contiguous())
+        return at::linear(x_in, lin.a, lin.bias);
+      at::Tensor y = fp32_linear(x, lin.a);
+      return lin.bias ? y + *lin.bias : y;
+    }
+    case kInt8: {
+      at::Tensor y = int8_linear(x, lin.a, lin.b);
+      return lin.bias ? y + *lin.bias : y;
+    }
+    case kInt8Tiled: {
+      at::Tensor y = int8_linear_tiled(x, lin.a, lin.b);
+      return lin.bias ? y + *lin.bias : y;
+    }
+    case kInt4: {
+      at::Tensor y = int4_linear(x, lin.a, lin.b);
+      return lin.bias ? y + *lin.bias : y;
+    }
+    case kInt4Dot: {
+      at::Tensor y = int4_linear_dot(x, lin.a, lin.b);
+      return lin.bias ? y + *lin.bias : y;
+    }
+    default:
+      TORCH_CHECK(false, "DecoderStack: a linear of unknown kind ", lin.kind);
+  }
+}
+
 }  // namespace
+
+// `passes` passes over the linears (kind, x, a, b) as DecoderStack calls them, one after the
+// other with nothing between (`bench step`'s view of a step's linears: as the engine calls
+// them, from C++, where a call from Python would add a microsecond or two each)
+void linear_pass(const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor>>& calls,
+                 int64_t passes) {
+  std::vector<std::pair<Linear, at::Tensor>> lins;
+  for (const auto& [kind, x, a, b] : calls) {
+    Linear l;
+    l.kind = kind;
+    l.a = a;
+    l.b = b;
+    lins.emplace_back(l, x);
+  }
+  for (int64_t p = 0; p < passes; ++p)
+    for (const auto& [l, x] : lins) apply_linear(l, x);
+}
 
 // The layers of one LlamaModel, their weights held by reference (the module's own tensors).
 class DecoderStack {
@@ -197,37 +245,8 @@ class DecoderStack {
     return out;
   }
 
-  // QuantLinear.forward / nn.Linear.forward for a 2-D contiguous x, the same calls
-  at::Tensor linear(const Linear& lin, const at::Tensor& x_in) {
-    return timed([&] {
-      at::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
-      switch (lin.kind) {
-        case kFp32: {  // few rows: labkit's kernel (as labkit.model.few_rows_fp32 chooses)
-          if (x.size(0) > kFp32KernelRows || !lin.a.is_contiguous())
-            return at::linear(x_in, lin.a, lin.bias);
-          at::Tensor y = fp32_linear(x, lin.a);
-          return lin.bias ? y + *lin.bias : y;
-        }
-        case kInt8: {
-          at::Tensor y = int8_linear(x, lin.a, lin.b);
-          return lin.bias ? y + *lin.bias : y;
-        }
-        case kInt8Tiled: {
-          at::Tensor y = int8_linear_tiled(x, lin.a, lin.b);
-          return lin.bias ? y + *lin.bias : y;
-        }
-        case kInt4: {
-          at::Tensor y = int4_linear(x, lin.a, lin.b);
-          return lin.bias ? y + *lin.bias : y;
-        }
-        case kInt4Dot: {
-          at::Tensor y = int4_linear_dot(x, lin.a, lin.b);
-          return lin.bias ? y + *lin.bias : y;
-        }
-        default:
-          TORCH_CHECK(false, "DecoderStack: a linear of unknown kind ", lin.kind);
-      }
-    });
+  at::Tensor linear(const Linear& lin, const at::Tensor& x) {
+    return timed([&] { return apply_linear(lin, x); });
   }
 
   int64_t H_, Hkv_, D_, F_;
@@ -250,4 +269,6 @@ void bind_decoder_stack(pybind11::module& m) {
       .def("logits", &DecoderStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("kernel_seconds", &DecoderStack::kernel_seconds)
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("linear_pass", &linear_pass, "passes over linears (kind, x, a, b) called from C++, as "
+        "DecoderStack calls them", pybind11::call_guard<pybind11::gil_scoped_release>());
 }
