@@ -73,7 +73,7 @@ at::Tensor apply_linear(const Linear& lin, const at::Tensor& x_in) {
 
 // `passes` passes over the linears (kind, x, a, b) as DecoderStack calls them, one after the
 // other with nothing between (`bench step`'s view of a step's linears: as the engine calls
-// them, from C++, where a call from Python would add a microsecond or two each)
+// them, from C++)
 void linear_pass(const std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, at::Tensor>>& calls,
                  int64_t passes) {
   std::vector<std::pair<Linear, at::Tensor>> lins;
