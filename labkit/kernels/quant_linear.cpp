@@ -669,7 +669,8 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz) {
 // within amax / 32639 of it, finer than bf16's rounding), each code split into a high and a
 // low signed byte (q = 256 h + l), so two byte dot products give the exact sum of code times
 // code:
-//   y[m, n] = sum_g sx[m,g] (s[n,g] sum_{k in g} q[n,k] xq[m,k] + (z[n,g] - 8 s[n,g]) sum_{k in g} xq[m,k])
+//   y[m, n] = sum_g sx[m,g] (s[n,g] sum_{k in g} q[n,k] xq[m,k]
+//                            + (z[n,g] - 8 s[n,g]) sum_{k in g} xq[m,k]),
 // which is x' W^T for x' = xq sx, the x `int4_x_as_int16` gives (W's weights exactly as
 // dequantize_int4 has them: q s + z - 8 s). Lanes are 16 output rows: codes [N/16, K/8, 64]
 // uint8, lane i's 4 bytes of a (row block, k/8) holding row i's k = 8u+e in byte e's low
@@ -686,9 +687,9 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz) {
 static constexpr bool kInt4Dot = true;
 static constexpr float kX4Levels = 32639.f;  // |code| <= this: its high byte (q + 128) >> 8 <= 127
 
-// a group of x's scale: the least power of two that puts amax within 32639 of its levels
-// (codes times it are exact fp32 values, and so are its products with the weights' bf16
-// scales); 0 below kTinyX (the group held as zeros), NaN or inf where amax is
+// a group of x's scale: the least power of two sc with amax / sc <= 32639 (codes times it are
+// exact fp32 values, and so are its products with the weights' bf16 scales); 0 below kTinyX
+// (the group held as zeros), NaN or inf where amax is
 static inline float x4_scale(float amax) {
   if (std::isnan(amax) || std::isinf(amax)) return amax;
   if (!(amax > kTinyX)) return 0.f;
