@@ -220,17 +220,26 @@ def int8_x_as_int16(x: torch.Tensor, block: int = INT8_X_BLOCK) -> torch.Tensor:
     nearest of 65,535 levels between -amax and amax (amax: the block's largest |x|; ties to
     even), so each value moves at most amax / 65534. The kernel keeps the int16 codes and
     applies the scale to each block's integer sum; the product is this x times the codes."""
+    def held(v: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        # 32767 / amax as C++ divides (a Python number over a tensor is its reciprocal times
+        # the number in torch: another rounding)
+        inv = torch.where(amax > INT8_X_TINY, torch.full_like(amax, 32767.0).div(amax),
+                          torch.zeros_like(amax))
+        return torch.round(v * inv).clamp(-32768, 32767) * (amax / 32767.0)
+
+    return _block_by_block(x, block, held)
+
+
+def _block_by_block(x: torch.Tensor, block: int, held) -> torch.Tensor:
+    """x (fp32) with each block of `block` values of a row replaced by held(values, amax), amax
+    the block's largest |x| (NaN where the block holds a NaN), as the kernels quantize x."""
     k = x.shape[-1]
     out = torch.empty_like(x, dtype=torch.float32)
     for k0 in range(0, k, block):
         v = x[..., k0:k0 + block].float()
         amax = v.abs().amax(dim=-1, keepdim=True)
         amax = torch.where(v.isnan().any(dim=-1, keepdim=True), torch.nan, amax)
-        # 32767 / amax as C++ divides (a Python number over a tensor is its reciprocal times
-        # the number in torch: another rounding)
-        inv = torch.where(amax > INT8_X_TINY, torch.full_like(amax, 32767.0).div(amax),
-                          torch.zeros_like(amax))
-        out[..., k0:k0 + block] = torch.round(v * inv).clamp(-32768, 32767) * (amax / 32767.0)
+        out[..., k0:k0 + block] = held(v, amax)
     return out
 
 
@@ -295,16 +304,12 @@ def int4_x_as_int16(x: torch.Tensor, group_size: int) -> torch.Tensor:
     32639; a group holding a NaN gets a NaN scale. The kernel multiplies the codes exactly and
     applies the scale to each group's integer sums: its product is this x times the
     dequantized weights."""
-    k = x.shape[-1]
-    out = torch.empty_like(x, dtype=torch.float32)
-    for k0 in range(0, k, group_size):
-        v = x[..., k0:k0 + group_size].float()
-        amax = v.abs().amax(dim=-1, keepdim=True)
-        amax = torch.where(v.isnan().any(dim=-1, keepdim=True), torch.nan, amax)
+    def held(v: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         s = int4_x_scale(amax)
-        inv = torch.where((s > 0) & ~s.isinf(), 1.0 / s, torch.zeros_like(s))
-        out[..., k0:k0 + group_size] = torch.round(v * inv) * s
-    return out
+        inv = torch.where((s > 0) & ~s.isinf(), 1.0 / s, torch.zeros_like(s))  # exact: 2^n
+        return torch.round(v * inv) * s
+
+    return _block_by_block(x, group_size, held)
 
 
 def int4_dot_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor

@@ -41,32 +41,20 @@ at::Tensor window(const at::Tensor& base, int64_t first, at::IntArrayRef sizes,
 // QuantLinear.forward / nn.Linear.forward for a 2-D x, the same calls (x made contiguous)
 at::Tensor apply_linear(const Linear& lin, const at::Tensor& x_in) {
   at::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  at::Tensor y;
   switch (lin.kind) {
-    case kFp32: {  // few rows: labkit's kernel (as labkit.model.few_rows_fp32 chooses)
+    case kFp32:  // few rows: labkit's kernel (as labkit.model.few_rows_fp32 chooses)
       if (x.size(0) > kFp32KernelRows || !lin.a.is_contiguous())
         return at::linear(x_in, lin.a, lin.bias);
-      at::Tensor y = fp32_linear(x, lin.a);
-      return lin.bias ? y + *lin.bias : y;
-    }
-    case kInt8: {
-      at::Tensor y = int8_linear(x, lin.a, lin.b);
-      return lin.bias ? y + *lin.bias : y;
-    }
-    case kInt8Tiled: {
-      at::Tensor y = int8_linear_tiled(x, lin.a, lin.b);
-      return lin.bias ? y + *lin.bias : y;
-    }
-    case kInt4: {
-      at::Tensor y = int4_linear(x, lin.a, lin.b);
-      return lin.bias ? y + *lin.bias : y;
-    }
-    case kInt4Dot: {
-      at::Tensor y = int4_linear_dot(x, lin.a, lin.b);
-      return lin.bias ? y + *lin.bias : y;
-    }
-    default:
-      TORCH_CHECK(false, "DecoderStack: a linear of unknown kind ", lin.kind);
+      y = fp32_linear(x, lin.a);
+      break;
+    case kInt8: y = int8_linear(x, lin.a, lin.b); break;
+    case kInt8Tiled: y = int8_linear_tiled(x, lin.a, lin.b); break;
+    case kInt4: y = int4_linear(x, lin.a, lin.b); break;
+    case kInt4Dot: y = int4_linear_dot(x, lin.a, lin.b); break;
+    default: TORCH_CHECK(false, "DecoderStack: a linear of unknown kind ", lin.kind);
   }
+  return lin.bias ? y + *lin.bias : y;
 }
 
 }  // namespace
