@@ -61,21 +61,14 @@ def _shape(lin) -> tuple[int, int, int]:
     return lin.out_features, lin.in_features, lin.weight_bytes
 
 
-_NONE = torch.empty(0)
-
-
 def _call(lin) -> tuple:
     """(kind, x, a, b): one row of x through `lin` as `linear_pass` (decoder_stack.cpp) takes
-    it, the kind as the DecoderStack numbers its kernels (labkit.kernels.stack)."""
-    from labkit.kernels.stack import _KINDS
+    it, its kind and weights as the DecoderStack has them (`labkit.kernels.stack`; a tied head,
+    a bare [N, K] weight, as the stack's ends take it)."""
+    from labkit.kernels.stack import _NONE, _linear_args
 
-    kernel = _kernel(lin)
-    x = torch.randn(1, _shape(lin)[1])  # x: [1, K]
-    if kernel == "fp32_linear":
-        return 0, x, (lin if isinstance(lin, torch.Tensor) else lin.weight), _NONE
-    if kernel == "int8_linear":
-        return _KINDS[kernel], x, lin.qweight, lin.scale
-    return _KINDS[kernel], x, lin.kweight, lin.kscale
+    kind, a, b, _ = (0, lin, _NONE, _NONE) if isinstance(lin, torch.Tensor) else _linear_args(lin)
+    return kind, torch.randn(1, _shape(lin)[1]), a, b  # x: [1, K]
 
 
 MERGE_GAP = 64 << 10  # weights this close in one buffer are read as one span (a norm between)

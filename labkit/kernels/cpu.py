@@ -298,12 +298,11 @@ def int4_x_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def int4_x_as_int16(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The x that `int4_linear_dot` multiplies, as fp32: each group of `group_size` values of a
-    row a whole number of steps of its scale (`int4_x_scale`, a power of two: at most 32639
-    steps from 0) from 0, the nearest (ties to even), so each value moves at most amax /
-    32639; a group holding a NaN gets a NaN scale. The kernel multiplies the codes exactly and
-    applies the scale to each group's integer sums: its product is this x times the
-    dequantized weights."""
+    """The x that `int4_linear_dot` multiplies, as fp32: each value of a row moved to the
+    nearest multiple of its group's scale (`int4_x_scale`, a power of two; ties to even; at
+    most 32639 multiples from 0), so it moves at most amax / 32639; a group holding a NaN gets
+    a NaN scale. The kernel multiplies the codes (the multiples) exactly and applies the scale
+    to each group's integer sums: its product is this x times the dequantized weights."""
     def held(v: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
         s = int4_x_scale(amax)
         inv = torch.where((s > 0) & ~s.isinf(), 1.0 / s, torch.zeros_like(s))  # exact: 2^n
