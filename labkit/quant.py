@@ -65,7 +65,7 @@ INT4_GROUPS = (32, 64, 128)
 _CANONICAL = ("qweight", "scale", "zero")
 # labkit's layouts, each with its exact inverse: a QuantLinear on one of them holds only it
 # (kweight, kscale) -> codes, scale, zero (int8's tiles: K a multiple of 32, int8_tiled_fits)
-_LOSSLESS = {"int4_linear_dot": cpu_kernels.int4_dot_codes,
+_LOSSLESS = {"int4_linear_dot": lambda packed, _: cpu_kernels.int4_dot_codes(packed),
              "int4_linear": cpu_kernels.int4_codes,
              "int8_linear_tiled": lambda tiles, scale: (
                  cpu_kernels.int8_tiled_codes(tiles, scale.numel()), scale, None)}
@@ -240,8 +240,9 @@ class QuantLinear(nn.Module):
     `scale` [N]; int4 `qweight` [N, K/2] (pack_int4), `scale`, `zero` [N, K/g]. The kernel's
     own layout (`kweight`, `kscale`) is derived from them and not stored: for int8 on the CPU,
     labkit's tiles (`cpu_kernels.int8_tiled_layout`) where `cpu_kernels.int8_tiled_fits`, else
-    the codes as they are; for int4 on the CPU, labkit's dot-product layout (`kscale` [N/16,
-    16 K/G]) where `cpu_kernels.int4_dot_fits`, else labkit's (`kscale` [N, K/G]) where
+    the codes as they are; for int4 on the CPU, labkit's dot-product layout (`kweight` [N/16,
+    K/G, 8G + 64] bytes: codes, scales and zeros in the order a thread reads them; `kscale`
+    empty) where `cpu_kernels.int4_dot_fits`, else labkit's (`kscale` [N, K/G]) where
     `cpu_kernels.int4_fits`,
     else torch's (bf16). labkit's layouts keep every code, scale and zero exactly, so a linear
     on one of them holds that layout alone: `canonical()` gives its codes back (and its
@@ -327,8 +328,8 @@ class QuantLinear(nn.Module):
         elif cpu_kernels.int4_dot_fits(self.out_features, self.in_features, self.group_size,
                                        self.scale, self.zero):
             # an AVX512-VNNI CPU: x as int16, the codes on an integer dot product, exact sums
-            kw, ks = cpu_kernels.int4_dot_layout(unpack_int4(self.qweight), self.scale,
-                                                 self.zero)
+            kw = cpu_kernels.int4_dot_layout(unpack_int4(self.qweight), self.scale, self.zero)
+            ks = torch.empty(0, dtype=torch.int32)  # (the scales lie among the codes)
             self._labkit_kernel = "int4_linear_dot"
         elif cpu_kernels.int4_fits(self.in_features, self.group_size, self.scale, self.zero):
             # labkit's int4 kernel (labkit.kernels.cpu): fp32 activations, no casts
@@ -392,7 +393,8 @@ class QuantLinear(nn.Module):
                 x2 = x if x.dim() == 2 and x.is_contiguous() else (
                     x.reshape(-1, self.in_features).contiguous())  # [M, K]
                 kernel = getattr(mod, labkits)  # int8_linear(_tiled), int4_linear(_dot)
-                y = (kernel(x2, self.qweight, self.scale) if labkits == "int8_linear"
+                y = (kernel(x2, self.kweight) if labkits == "int4_linear_dot"
+                     else kernel(x2, self.qweight, self.scale) if labkits == "int8_linear"
                      else kernel(x2, self.kweight, self.kscale))  # [M, N]
                 y = y if self.bias is None else y + self.bias
                 return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)

@@ -231,9 +231,10 @@ def test_the_int4_kernel_equals_the_dequantized_reference(rows, spec, k):
                                       pytest.param("int4_linear_dot", 48, marks=needs_int4_dot)])
 def test_an_int4_rows_result_does_not_depend_on_the_rows_beside_it(kernel, n, monkeypatch):
     # int4_linear: one row, two or three, and four or more take different paths (codes
-    # dequantized in registers, or once into an L1 buffer); int4_linear_dot: one row takes 2
-    # blocks of 16 output rows with four sums each, more rows 1 block, chunks of up to 6 rows
-    # sharing each code vector, two sums each. Every row's output must be bit-identical.
+    # dequantized in registers, or once into an L1 buffer); int4_linear_dot: up to 3 rows take
+    # a pair of blocks of 16 output rows at once (one row with four sums each, two or three
+    # with two), more rows a block at a time, chunks of up to 6 rows sharing each code vector;
+    # n = 48 ends with a block alone. Every row's output must be bit-identical.
     if kernel == "int4_linear":
         monkeypatch.setenv("LABKIT_INT4_DOT", "0")
     lin = _int4_linear(n=n, k=96)
@@ -303,25 +304,40 @@ def test_under_a_torch_mode_int4_runs_the_reference_path():
 
 # ---- int4_linear_dot (AVX512-VNNI CPUs) -----------------------------------------------------
 
-def test_the_dot_layout_holds_every_code_where_the_kernel_reads_it():
-    # runs on every CPU: the layout is plain torch; read it back as the kernel's docstring says
+@pytest.mark.parametrize("n", [48, 64])  # 3 blocks (a pair, then one alone), 4 (two pairs)
+def test_the_dot_layout_holds_every_code_where_the_kernel_reads_it(n):
+    # runs on every CPU: the layout is plain torch; read it back as its docstring says
     gen = torch.Generator().manual_seed(7)
-    n, k, g = 48, 128, 32
+    k, g = 128, 32
+    ng, nb = k // g, n // 16
     codes = torch.randint(0, 16, (n, k), generator=gen)
     scale = torch.rand(n, k // g, generator=gen).bfloat16().float()
     zero = torch.randn(n, k // g, generator=gen).bfloat16().float()
-    packed, sz = cpu_kernels.int4_dot_layout(codes, scale, zero)
-    assert packed.shape == (n // 16, 8 * k) and sz.shape == (n // 16, 16 * k // g)
-    b = packed.reshape(n // 16, k // 8, 16, 4)  # [block, u, row i, e]
-    for blk, u, i, e in [(0, 0, 0, 0), (1, 5, 3, 1), (2, 15, 15, 3), (2, 7, 9, 2)]:
-        byte, row = int(b[blk, u, i, e]), 16 * blk + i
+    packed = cpu_kernels.int4_dot_layout(codes, scale, zero)
+    assert packed.shape == (nb, ng, 8 * g + 64) and packed.dtype == torch.uint8
+    flat = packed.reshape(-1)
+
+    def run(blk: int, group: int) -> tuple[int, int]:
+        """(where block `blk`'s codes for `group` start, where its 16 words start)"""
+        pair, second = divmod(blk, 2)
+        alone = nb % 2 and blk == nb - 1
+        blocks = 1 if alone else 2
+        start = pair * 2 * ng * (8 * g + 64) + group * blocks * (8 * g + 64)
+        return start + second * 8 * g, start + blocks * 8 * g + second * 64
+
+    for blk, u, i, e in [(0, 0, 0, 0), (1, 5, 3, 1), (nb - 1, 15, 15, 3), (nb - 1, 7, 9, 2),
+                         (nb - 2, 9, 4, 0)]:
+        at, _ = run(blk, u * 8 // g)
+        byte, row = int(flat[at + (u % (g // 8)) * 64 + 4 * i + e]), 16 * blk + i
         assert byte & 15 == codes[row, 8 * u + e] and byte >> 4 == codes[row, 8 * u + 4 + e]
-    words = sz.reshape(n // 16, k // g, 16)  # [block, group, row i]
     bf = lambda v: torch.tensor([v], dtype=torch.int32).to(torch.int16).view(  # noqa: E731
         torch.bfloat16).float()  # (bits 0..65535 as int16's two's complement)
-    assert bf(int(words[1, 2, 4]) & 0xFFFF) == scale[20, 2]  # the low half
-    assert bf((int(words[2, 3, 15]) >> 16) & 0xFFFF) == zero[47, 3]  # the high half
-    back = cpu_kernels.int4_dot_codes(packed, sz)
+    for blk, group, i in [(1, 2, 4), (nb - 1, 3, 15), (0, 0, 0), (nb - 2, 1, 7)]:
+        _, at = run(blk, group)
+        word = int(flat[at + 4 * i:at + 4 * i + 4].view(torch.int32))
+        assert bf(word & 0xFFFF) == scale[16 * blk + i, group]  # the low half
+        assert bf((word >> 16) & 0xFFFF) == zero[16 * blk + i, group]  # the high half
+    back = cpu_kernels.int4_dot_codes(packed)
     assert torch.equal(back[0].long(), codes) and torch.equal(back[1], scale)
     assert torch.equal(back[2], zero)
 
@@ -353,8 +369,9 @@ def test_the_dot_kernels_x_is_a_power_of_two_steps_within_a_step_of_x():
                                       ("int4-g128", 64, 256), ("int4-g32", 960, 576)])
 def test_the_dot_kernel_equals_the_reference_on_int16_activations(rows, spec, n, k):
     lin = _int4_linear(n=n, k=k, spec=spec)
-    assert lin._labkit_kernel == "int4_linear_dot" and lin.kscale.shape == (n // 16,
-                                                                           16 * k // lin.group_size)
+    g = lin.group_size
+    assert lin._labkit_kernel == "int4_linear_dot" and lin.kweight.shape == (n // 16, k // g,
+                                                                            8 * g + 64)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=gen) * torch.rand(1, k, generator=gen) * 4
     got = lin(x)
@@ -389,11 +406,16 @@ def test_the_dot_kernel_refuses_operands_it_cannot_read():
     lin = _int4_linear(n=48, k=96)
     x = torch.randn(2, 96)
     with pytest.raises(RuntimeError, match="int4_linear_dot"):
-        built.int4_linear_dot(torch.randn(2, 64), lin.kweight, lin.kscale)  # K disagrees
+        built.int4_linear_dot(torch.randn(2, 64), lin.kweight)  # K disagrees
     with pytest.raises(RuntimeError, match="int4_linear_dot"):
-        built.int4_linear_dot(x, lin.kweight, lin.kscale.short())  # not the int32 layout
+        built.int4_linear_dot(x, lin.kweight.reshape(3, -1))  # not its [N/16, K/G, 8G + 64]
     with pytest.raises(RuntimeError, match="int4_linear_dot"):
-        built.int4_linear_dot(x.double(), lin.kweight, lin.kscale)  # not fp32
+        built.int4_linear_dot(x, lin.kweight.view(torch.int8))  # not bytes
+    with pytest.raises(RuntimeError, match="int4_linear_dot"):
+        built.int4_linear_dot(x, lin.kweight[:, :, :-64])  # no scales (G would not be whole)
+    with pytest.raises(RuntimeError, match="int4_linear_dot"):
+        built.int4_linear_dot(x.double(), lin.kweight)  # not fp32
+    assert built.int4_linear_dot(x[:0], lin.kweight).shape == (0, 48)  # no rows: none out
 
 
 @needs_kernel

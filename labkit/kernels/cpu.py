@@ -312,31 +312,56 @@ def int4_x_as_int16(x: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def int4_dot_layout(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`int4_linear_dot`'s operands from canonical int4 codes [N, K] (0..15) and bf16-valued
-    scales and zeros [N, K/G]: codes [N/16, 8K] uint8, for each block of 16 rows and each 8
-    consecutive k (u) 64 bytes, byte 4i+e holding row i's k = 8u+e in the low nibble and
-    k = 8u+4+e in the high one; sz [N/16, 16 K/G] int32, per block and group the 16 rows'
-    bf16 scale (low half) and zero (high half), as `int4_layout` holds them."""
+                    ) -> torch.Tensor:
+    """`int4_linear_dot`'s operand from canonical int4 codes [N, K] (0..15) and bf16-valued
+    scales and zeros [N, K/G]: [N/16, K/G, 8G + 64] uint8, the bytes in the order a thread
+    reads them. A block is 16 rows; its codes for 8 consecutive k (u) are 64 bytes, byte 4i+e
+    holding row i's k = 8u+e in the low nibble and k = 8u+4+e in the high one; its words for a
+    group are 16 int32, row i's bf16 scale in the low half and zero in the high (as
+    `int4_layout` holds them). Blocks go in pairs (the last alone where N/16 is odd), and for
+    each pair and group of G k: the first block's 8G bytes of codes, the second's, the first
+    block's 64 bytes of words, the second's."""
     n, k = codes.shape
-    ng = scale.shape[1]
-    c = codes.to(torch.uint8).reshape(n // 16, 16, k // 8, 2, 4)  # [blk, i, u, high, e]
+    ng, nb = scale.shape[1], n // 16
+    g = k // ng
+    c = codes.to(torch.uint8).reshape(nb, 16, k // 8, 2, 4)  # [blk, i, u, high, e]
     c = c.permute(0, 2, 1, 4, 3)  # [blk, u, i, e, high]
-    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(n // 16, 8 * k).contiguous()
-    sz = _scale_zero_bits(scale, zero).reshape(n // 16, 16, ng).transpose(1, 2)
-    return packed, sz.reshape(n // 16, 16 * ng).contiguous()
+    c = (c[..., 0] | (c[..., 1] << 4)).reshape(nb, ng, 8 * g)  # [blk, group, 8G]
+    words = _scale_zero_bits(scale, zero).reshape(nb, 16, ng).transpose(1, 2).contiguous()
+    words = words.view(torch.uint8)  # [blk, group, 64]
+    out = torch.empty(nb, ng, 8 * g + 64, dtype=torch.uint8)
+    flat, pairs = out.view(-1), nb // 2
+    if pairs:  # [pair, group, (block 0's codes, block 1's codes, block 0's words, block 1's)]
+        two = lambda t: t[:2 * pairs].reshape(pairs, 2, ng, -1).transpose(1, 2).reshape(  # noqa: E731
+            pairs, ng, -1)
+        flat[:2 * pairs * ng * (8 * g + 64)] = torch.cat([two(c), two(words)], 2).reshape(-1)
+    if nb % 2:  # the last block alone: [group, (its codes, its words)]
+        flat[2 * pairs * ng * (8 * g + 64):] = torch.cat([c[-1], words[-1]], 1).reshape(-1)
+    return out
 
 
-def int4_dot_codes(packed: torch.Tensor, sz: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int4_dot_codes(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of `int4_dot_layout`: codes [N, K] (uint8, 0..15), scales and zeros
     [N, K/G] (fp32), exactly the values it was given."""
-    nb, k8 = packed.shape
-    n, k, ng = 16 * nb, k8 // 8, sz.shape[1] // 16
-    c = packed.reshape(nb, k // 8, 16, 4, 1)  # [blk, u, i, e, 1]
+    nb, ng, run = packed.shape
+    g = (run - 64) // 8
+    n, k, pairs = 16 * nb, ng * g, nb // 2
+    flat = packed.contiguous().view(-1)
+    c = torch.empty(nb, ng, 8 * g, dtype=torch.uint8)
+    words = torch.empty(nb, ng, 64, dtype=torch.uint8)
+    if pairs:
+        runs = flat[:2 * pairs * ng * run].reshape(pairs, ng, 2 * run)
+        c[:2 * pairs] = runs[..., :16 * g].reshape(pairs, ng, 2, 8 * g).transpose(1, 2).reshape(
+            2 * pairs, ng, 8 * g)
+        words[:2 * pairs] = runs[..., 16 * g:].reshape(pairs, ng, 2, 64).transpose(1, 2).reshape(
+            2 * pairs, ng, 64)
+    if nb % 2:
+        last = flat[2 * pairs * ng * run:].reshape(ng, run)
+        c[-1], words[-1] = last[:, :8 * g], last[:, 8 * g:]
+    c = c.reshape(nb, k // 8, 16, 4, 1)  # [blk, u, i, e, 1]
     c = torch.cat([c & 15, c >> 4], dim=4)  # [blk, u, i, e, high]
     codes = c.permute(0, 2, 1, 4, 3).reshape(n, k)  # [blk, i, u, high, e]
-    rows = sz.reshape(nb, ng, 16).transpose(1, 2).reshape(n, ng)
+    rows = words.view(torch.int32).transpose(1, 2).reshape(n, ng)  # [blk, i, group]
     return codes, _bf16_of(rows & 0xFFFF), _bf16_of((rows >> 16) & 0xFFFF)
 
 

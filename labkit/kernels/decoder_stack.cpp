@@ -51,7 +51,7 @@ at::Tensor apply_linear(const Linear& lin, const at::Tensor& x_in) {
     case kInt8: y = int8_linear(x, lin.a, lin.b); break;
     case kInt8Tiled: y = int8_linear_tiled(x, lin.a, lin.b); break;
     case kInt4: y = int4_linear(x, lin.a, lin.b); break;
-    case kInt4Dot: y = int4_linear_dot(x, lin.a, lin.b); break;
+    case kInt4Dot: y = int4_linear_dot(x, lin.a); break;
     default: TORCH_CHECK(false, "DecoderStack: a linear of unknown kind ", lin.kind);
   }
   return lin.bias ? y + *lin.bias : y;

@@ -11,7 +11,7 @@ at::Tensor fp32_linear(at::Tensor x, at::Tensor w);
 at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s);
 at::Tensor int8_linear_tiled(at::Tensor x, at::Tensor tiles, at::Tensor s);
 at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz);
-at::Tensor int4_linear_dot(at::Tensor x, at::Tensor codes, at::Tensor sz);
+at::Tensor int4_linear_dot(at::Tensor x, at::Tensor packed);
 bool has_int4_dot();
 bool has_int8_dot();
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,

@@ -672,17 +672,25 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz) {
 //   y[m, n] = sum_g sx[m,g] (s[n,g] sum_{k in g} q[n,k] xq[m,k]
 //                            + (z[n,g] - 8 s[n,g]) sum_{k in g} xq[m,k]),
 // which is x' W^T for x' = xq sx, the x `int4_x_as_int16` gives (W's weights exactly as
-// dequantize_int4 has them: q s + z - 8 s). Lanes are 16 output rows: codes [N/16, K/8, 64]
-// uint8, lane i's 4 bytes of a (row block, k/8) holding row i's k = 8u+e in byte e's low
-// nibble and k = 8u+4+e in its high one (`int4_dot_layout`), so one 64-byte load and two masks
-// give 8 k of 16 rows (the high nibbles left in place, times 16, and the sum shifted back:
-// exact); sz [N/16, K/G, 16] int32: a row's bf16 scale in the low half, its bf16 zero in the
-// high half. Per group and output: the integer sums (exact in any order), then two multiply-
+// dequantize_int4 has them: q s + z - 8 s). Lanes are 16 output rows (a block): for each 8
+// k (u) of a block 64 bytes of codes, lane i's 4 holding row i's k = 8u+e in byte e's low
+// nibble and k = 8u+4+e in its high one, so one 64-byte load and two masks give 8 k of 16
+// rows (the high nibbles left in place, times 16, and the sum shifted back: exact); for each
+// group of a block 16 int32 words, row i's bf16 scale in the low half, its bf16 zero in the
+// high half. Where they lie (`int4_dot_layout`, [N/16, K/G, 8G + 64] bytes): blocks in pairs
+// (the last alone when N/16 is odd), and for each pair and group one run, the first block's
+// 8G bytes of codes, the second's, then the first block's 16 words and the second's. A thread
+// reads its run of pairs front to back as one stream, as the read probe reads, and the bytes
+// it asks for ahead are simply the next ones. Per group and output: the integer sums (exact in
+// any order), then two multiply-
 // adds into the fp32 sum, groups in order, whatever the number of rows: batch-invariant.
 // Four vector ops per 64 bytes of codes where the bf16 product took twelve (a widen, a shift,
 // two lookups and two products per 32 bytes), and x is held more finely: measured in a SmolLM2
 // step's 121 linears at batch 1 (results/cpu-kernels-2026-12-05i.md) 1.03-1.18x faster
 // (median 1.14x), 0.93-1.04x at 2 to 32 rows, where both are bound by their dot products.
+// Where a block's codes and its scales lay in separate tensors (four streams a thread, each
+// restarting at every pair), the step's linears read 1.13-1.28x slower at batch 1 (measured
+// beside this layout in one process, results/cpu-kernels-2026-12-05j.md).
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 static constexpr bool kInt4Dot = true;
 static constexpr float kX4Levels = 32639.f;  // |code| <= this: its high byte (q + 128) >> 8 <= 127
@@ -730,25 +738,31 @@ static void x_to_int4dot(const float* x, int64_t K, int64_t G, int8_t* h, int8_t
   }
 }
 
-// RM rows of x against RB blocks of 16 output rows (RB > 1: independent sums in flight when
-// there is one row of x; the sums themselves are the same for every RB and RM). xh, xl: the
-// rows' high and low bytes as words of 4 (ldx words a row), sx, xs: their groups' (ng a row).
-// While it reads its own blocks it asks for `pf_bytes` bytes at `pf`, a share each group.
+// How far ahead of its reads a thread asks for the bytes it reads next (one stream, so a
+// distance in bytes). Measured on this course's VM, a SmolLM2 step's int4 linears at batch 1:
+// 2 KiB ahead 0.99x the next pair spread through the current one, 4 KiB 1.16-1.21x, 6 KiB
+// 1.19-1.28x, 8 KiB 1.17-1.27x, 12-16 KiB 1.20x (results/cpu-kernels-2026-12-05j.md).
+static constexpr int64_t kDotAhead = 6144;
+
+// RM rows of x against RB blocks of 16 output rows (RB 2: the two of a pair, whose codes for a
+// group lie one after the other; the sums themselves are the same for every RB and RM). xh,
+// xl: the rows' high and low bytes as words of 4 (ldx words a row), sx, xs: their groups' (ng
+// a row). c: the first block's codes of group 0, s: its words, `unit` bytes from a group's to
+// the next's. Where `ahead` is given, it asks for the group's run `ahead` bytes further on,
+// `per` lines for each 64 bytes of codes it loads (each loaded block's line once).
 template <int RB, int RM>
 static inline void dot_block(const int32_t* xh, const int32_t* xl, int64_t ldx, const float* sx,
-                             const float* xs, int64_t K, int64_t ng, int64_t G,
-                             const uint8_t* c, const int32_t* sz, float* y, int64_t ldy,
-                             const char* pf, int64_t pf_bytes) {
+                             const float* xs, int64_t ng, int64_t G, const uint8_t* c,
+                             const uint8_t* s, int64_t unit, float* y, int64_t ldy,
+                             const char* ahead, int64_t per) {
   const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
   const __m512i zero_half = _mm512_set1_epi32((int)0xFFFF0000u);
-  const int64_t cs = K * 8, ss = ng * 16, ug = G / 8;  // a block's bytes of codes, sz words
+  const int64_t ug = G / 8, cb = 8 * G, lines = unit / 64;  // cb: a block's codes of a group
   __m512 acc[RM][RB];
   for (int i = 0; i < RM; ++i)
     for (int r = 0; r < RB; ++r) acc[i][r] = _mm512_setzero_ps();
-  const int64_t pf_share = (pf_bytes + ng - 1) / ng;
   for (int64_t g = 0; g < ng; ++g) {
-    for (int64_t off = g * pf_share; off < std::min(pf_bytes, (g + 1) * pf_share); off += 64)
-      __builtin_prefetch(pf + off, 0, LK_LOC);
+    const uint8_t* cg = c + g * unit;
     // the group's sums of codes times high bytes (h) and times low bytes (l). One row of x
     // keeps four (the high nibbles left in place, x16, in sums of their own: one mask fewer
     // per load, and two dot products a sum, not four, in flight); more rows share one
@@ -758,9 +772,13 @@ static inline void dot_block(const int32_t* xh, const int32_t* xl, int64_t ldx, 
     for (int i = 0; i < RM; ++i)
       for (int r = 0; r < RB; ++r)
         h0[i][r] = l0[i][r] = h1[i][r] = l1[i][r] = _mm512_setzero_si512();
-    for (int64_t u = g * ug; u < (g + 1) * ug; ++u)
+    for (int64_t uu = 0; uu < ug; ++uu) {
+      if (ahead)
+        for (int64_t j = uu * per; j < std::min(lines, (uu + 1) * per); ++j)
+          __builtin_prefetch(ahead + g * unit + j * 64, 0, LK_LOC);
+      const int64_t u = g * ug + uu;
       for (int r = 0; r < RB; ++r) {
-        const __m512i v = _mm512_loadu_si512(c + r * cs + u * 64);
+        const __m512i v = _mm512_loadu_si512(cg + r * cb + uu * 64);
         const __m512i lo = _mm512_and_si512(v, low);
         const __m512i hi = RM == 1 ? _mm512_and_si512(v, high)
                                    : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -778,11 +796,12 @@ static inline void dot_block(const int32_t* xh, const int32_t* xl, int64_t ldx, 
           }
         }
       }
+    }
     for (int r = 0; r < RB; ++r) {
-      const __m512i p = _mm512_loadu_si512(sz + r * ss + g * 16);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+      const __m512i p = _mm512_loadu_si512(s + g * unit + r * 64);
+      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
       const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(p, zero_half));
-      const __m512 bz = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), s, z);  // z - 8 s, exact
+      const __m512 bz = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), sc, z);  // z - 8 s, exact
       for (int i = 0; i < RM; ++i) {
         // sum of code times code: 256 (high-byte sums) + (low-byte sums), |sum| < 2^31
         const __m512i hs = RM == 1 ? _mm512_add_epi32(h0[i][r], _mm512_srai_epi32(h1[i][r], 4))
@@ -791,7 +810,7 @@ static inline void dot_block(const int32_t* xh, const int32_t* xl, int64_t ldx, 
                                    : l0[i][r];
         const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(hs, 8), ls);
         acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum),
-                                    _mm512_mul_ps(s, _mm512_set1_ps(sx[i * ng + g])), acc[i][r]);
+                                    _mm512_mul_ps(sc, _mm512_set1_ps(sx[i * ng + g])), acc[i][r]);
         acc[i][r] = _mm512_fmadd_ps(bz, _mm512_set1_ps(xs[i * ng + g]), acc[i][r]);
       }
     }
@@ -800,48 +819,23 @@ static inline void dot_block(const int32_t* xh, const int32_t* xl, int64_t ldx, 
     for (int r = 0; r < RB; ++r) _mm512_storeu_ps(y + i * ldy + r * 16, acc[i][r]);
 }
 
-// every row of x, up to 6 at a time (they share each loaded code vector), against RB blocks
-template <int RB>
-static inline void dot_rows(const int32_t* xh, const int32_t* xl, const float* sx,
-                            const float* xs, int64_t M, int64_t K, int64_t ng, int64_t G,
-                            const uint8_t* c, const int32_t* sz, float* y, int64_t N,
-                            const char* pf, int64_t pf_bytes) {
-  const int64_t ldx = K / 4;
-  for (int64_t m = 0; m < M; m += 6) {
-    if (m > 0) pf_bytes = 0;  // asked for during the first 6 rows
-    const int64_t o = m * ldx, os = m * ng;
-    switch (std::min<int64_t>(6, M - m)) {
-      case 6: dot_block<RB, 6>(xh + o, xl + o, ldx, sx + os, xs + os, K, ng, G, c, sz,
-                               y + m * N, N, pf, pf_bytes); break;
-      case 5: dot_block<RB, 5>(xh + o, xl + o, ldx, sx + os, xs + os, K, ng, G, c, sz,
-                               y + m * N, N, pf, pf_bytes); break;
-      case 4: dot_block<RB, 4>(xh + o, xl + o, ldx, sx + os, xs + os, K, ng, G, c, sz,
-                               y + m * N, N, pf, pf_bytes); break;
-      case 3: dot_block<RB, 3>(xh + o, xl + o, ldx, sx + os, xs + os, K, ng, G, c, sz,
-                               y + m * N, N, pf, pf_bytes); break;
-      case 2: dot_block<RB, 2>(xh + o, xl + o, ldx, sx + os, xs + os, K, ng, G, c, sz,
-                               y + m * N, N, pf, pf_bytes); break;
-      default: dot_block<RB, 1>(xh + o, xl + o, ldx, sx + os, xs + os, K, ng, G, c, sz,
-                                y + m * N, N, pf, pf_bytes); break;
-    }
-  }
-}
-
-// y [M, N] = x [M, K] (fp32) times the int4 codes in int4_dot_layout. One row of x takes 2
-// blocks of 16 output rows at a time (4 in flight had it read no faster), more rows take 1.
-at::Tensor int4_linear_dot(at::Tensor x, at::Tensor codes, at::Tensor sz) {
-  const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0), N = NB * 16;
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && sz.dim() == 2 && K % 32 == 0 &&
-                  codes.size(1) == K * 8 && sz.size(0) == NB && sz.size(1) % 16 == 0 &&
-                  sz.size(1) > 0 && K % (sz.size(1) / 16) == 0 &&
-                  (K / (sz.size(1) / 16)) % 16 == 0 && x.is_contiguous() &&
-                  codes.is_contiguous() && sz.is_contiguous() &&
-                  x.scalar_type() == at::kFloat && codes.scalar_type() == at::kByte &&
-                  sz.scalar_type() == at::kInt,
-              "int4_linear_dot: x [M, K] fp32, codes [N/16, 8K] uint8, sz [N/16, 16 K/G] "
-              "int32, K % 32 == 0, G % 16 == 0");
-  const int64_t ng = sz.size(1) / 16, G = K / ng;
+// y [M, N] = x [M, K] (fp32) times the int4 codes in int4_dot_layout. Each thread an equal run
+// of pairs of blocks, read front to back. Up to 3 rows of x take a pair's two blocks at once
+// (one row: 2 independent sums in flight; 3 rows: 18 of the 32 vector registers in sums);
+// more rows take its blocks one at a time, 6 rows at once (4 rows and 2 blocks spilled).
+at::Tensor int4_linear_dot(at::Tensor x, at::Tensor packed) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && x.is_contiguous() &&
+                  packed.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  packed.scalar_type() == at::kByte && packed.size(2) > 64 &&
+                  (packed.size(2) - 64) % 128 == 0 &&
+                  packed.size(1) * ((packed.size(2) - 64) / 8) == x.size(1) &&
+                  x.size(1) % 32 == 0,
+              "int4_linear_dot: x [M, K] fp32 and its int4_dot_layout [N/16, K/G, 8G + 64] "
+              "uint8, K % 32 == 0, G % 16 == 0");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * 16;
+  const int64_t ng = packed.size(1), G = K / ng, ug = G / 8;
   auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;  // (no rows: a step whose logits nobody asked for)
   // x as int16 codes once per call: high and low bytes, each group's scale and scaled sum
   std::vector<int32_t> xh(M * K / 4), xl(M * K / 4);
   std::vector<float> sx(M * ng), xs(M * ng);
@@ -850,30 +844,45 @@ at::Tensor int4_linear_dot(at::Tensor x, at::Tensor codes, at::Tensor sz) {
     x_to_int4dot(xp + m * K, K, G, reinterpret_cast<int8_t*>(xh.data() + m * K / 4),
                  reinterpret_cast<int8_t*>(xl.data() + m * K / 4), sx.data() + m * ng,
                  xs.data() + m * ng);
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const int32_t* sp = sz.data_ptr<int32_t>();
+  const uint8_t* cp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t cs = K * 8, ss = ng * 16, RB = M == 1 ? 2 : 1;
-  // each thread an equal run of blocks, taken RB at a time; while it multiplies one item it
-  // asks for its next one
-  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NB));
+  const int64_t NP = (NB + 1) / 2, pair_bytes = 2 * ng * (8 * G + 64), ldx = K / 4;
+  const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NP));
   at::parallel_for(0, nth, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t th = t0; th < t1; ++th) {
-      const int64_t lo = NB * th / nth, hi = NB * (th + 1) / nth;
-      for (int64_t r0 = lo; r0 < hi; r0 += RB) {
-        const int64_t rb = std::min<int64_t>(RB, hi - r0);
-        const int64_t p0 = r0 + rb, nx = std::min<int64_t>(RB, hi - p0);
-        const char* pf = reinterpret_cast<const char*>(cp + p0 * cs);
-        const char* next_sz = reinterpret_cast<const char*>(sp + p0 * ss);
-        for (int64_t off = 0; off < nx * ss * 4; off += 64)
-          __builtin_prefetch(next_sz + off, 0, LK_LOC);
-        if (rb == 2) {
-          dot_rows<2>(xh.data(), xl.data(), sx.data(), xs.data(), M, K, ng, G, cp + r0 * cs,
-                      sp + r0 * ss, yp + r0 * 16, N, pf, nx * cs);
-        } else {
-          dot_rows<1>(xh.data(), xl.data(), sx.data(), xs.data(), M, K, ng, G, cp + r0 * cs,
-                      sp + r0 * ss, yp + r0 * 16, N, pf, nx * cs);
+      for (int64_t p = NP * th / nth; p < NP * (th + 1) / nth; ++p) {
+        const int64_t nb = std::min<int64_t>(2, NB - 2 * p), unit = nb * (8 * G + 64);
+        const uint8_t* c = cp + p * pair_bytes;
+        const uint8_t* s = c + nb * 8 * G;
+        const char* ahead = reinterpret_cast<const char*>(c) + kDotAhead;
+        const int64_t per = (unit / 64 + ug - 1) / ug;
+        float* yb = yp + p * 32;
+        if (M <= 3) {
+#define LK_DOT(RB, RM) dot_block<RB, RM>(xh.data(), xl.data(), ldx, sx.data(), xs.data(), ng, \
+                                         G, c, s, unit, yb, N, ahead, per)
+          if (nb == 2) {
+            switch (M) { case 3: LK_DOT(2, 3); break; case 2: LK_DOT(2, 2); break;
+                         default: LK_DOT(2, 1); }
+          } else {
+            switch (M) { case 3: LK_DOT(1, 3); break; case 2: LK_DOT(1, 2); break;
+                         default: LK_DOT(1, 1); }
+          }
+#undef LK_DOT
+          continue;
         }
+        for (int64_t r = 0; r < nb; ++r)
+          for (int64_t m = 0; m < M; m += 6) {
+            // the pair's first pass asks for what lies ahead; the rest reads it from cache
+            const char* a = r == 0 && m == 0 ? ahead : nullptr;
+#define LK_DOT(RM) dot_block<1, RM>(xh.data() + m * ldx, xl.data() + m * ldx, ldx, \
+                                    sx.data() + m * ng, xs.data() + m * ng, ng, G, c + r * 8 * G, \
+                                    s + r * 64, unit, yb + m * N + r * 16, N, a, per)
+            switch (std::min<int64_t>(6, M - m)) {
+              case 6: LK_DOT(6); break; case 5: LK_DOT(5); break; case 4: LK_DOT(4); break;
+              case 3: LK_DOT(3); break; case 2: LK_DOT(2); break; default: LK_DOT(1);
+            }
+#undef LK_DOT
+          }
       }
     }
   });
@@ -882,7 +891,7 @@ at::Tensor int4_linear_dot(at::Tensor x, at::Tensor codes, at::Tensor sz) {
 #else
 static constexpr bool kInt4Dot = false;
 
-at::Tensor int4_linear_dot(at::Tensor x, at::Tensor codes, at::Tensor sz) {
+at::Tensor int4_linear_dot(at::Tensor x, at::Tensor packed) {
   TORCH_CHECK(false, "int4_linear_dot: this build has no integer dot product (AVX512-VNNI)");
   return x;
 }

@@ -157,8 +157,8 @@ def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     seen: set[int] = set()
     out = []
     for _, t in named:
-        if t is None or id(t) in seen or t.device.type != "cpu" or t.is_meta:
-            continue
+        if t is None or id(t) in seen or t.device.type != "cpu" or t.is_meta or not t.numel():
+            continue  # (an empty tensor has no bytes to place: int4's dot layout's kscale)
         seen.add(id(t))
         out.append(t)
     return out
