@@ -51,16 +51,21 @@ the codes need not become floats at all. x is held as int16 codes, one scale per
 finer than bf16's rounding), each code split into a high and a low byte; a code 0..15 masked
 out of its byte pair is an unsigned byte, so `vpdpbusd` (64 byte multiply-adds into int32
 lanes an instruction) against each half gives a group's exact sum of code times code; a
-group's scale and zero are applied once, to that sum. Lanes are 16 output rows
-(`int4_dot_layout`: 8 k of 16 rows in 64 bytes, a mask each for the low and the high
-nibbles): four vector ops per 64 bytes of codes. Each thread takes an equal run of 16-row
-blocks (a 576-row matrix is 36 blocks: 18 each) and, while it multiplies one item, prefetches
-its next, a share each group. It replaced a kernel on the bf16 dot product (`vdpbf16ps`, codes
-to bf16 by a `vpermw` lookup, x rounded to bf16: twelve vector ops per 64 bytes), itself 1.5x
-int4_linear at batch 1: in a SmolLM2 step's 121 linears, alternating in one process on this
-course's VM, this one is 1.03-1.18x faster at batch 1 (median 1.14x), 0.93-1.04x at 2 to 32
-rows, with x held more finely (results/cpu-kernels-2026-12-05i.md). QuantLinear takes it
-where N is a multiple of 16 (`int4_dot_fits`), unless `LABKIT_INT4_DOT=0`.
+group's scale and zero are applied once, to that sum. Lanes are 16 output rows (a block: 8 k
+of its 16 rows in 64 bytes, a mask each for the low and the high nibbles): four vector ops
+per 64 bytes of codes. `int4_dot_layout` puts everything a thread reads in the order it reads
+it: blocks in pairs, and for each pair and group of K the two blocks' codes, then their
+scales and zeros, so each thread reads its equal run of pairs (a 576-row matrix is 18 pairs:
+9 each) front to back as one stream, as the read probe does, asking 6 KiB ahead. Codes and
+scales in tensors of their own had each thread read four streams, each restarting at every
+pair: in the one stream a step's int4 linears at batch 1 run 0.99-1.11x as fast (median 1.09x,
+seven runs; results/cpu-kernels-2026-12-05j.md). It replaced a kernel on the bf16 dot product
+(`vdpbf16ps`, codes to bf16 by a `vpermw` lookup, x rounded to bf16: twelve vector ops per 64
+bytes), itself 1.5x int4_linear at batch 1: in a SmolLM2 step's 121 linears, alternating in
+one process on this course's VM, this one is 1.03-1.18x faster at batch 1 (median 1.14x),
+0.93-1.04x at 2 to 32 rows, with x held more finely (results/cpu-kernels-2026-12-05i.md).
+QuantLinear takes it where N is a multiple of 16 (`int4_dot_fits`), unless
+`LABKIT_INT4_DOT=0`.
 
 **paged_attention**: each new token attends over its sequence's context by reading the K and V
 pool rows at the context's slots where they lie. The gather-then-SDPA path copies every

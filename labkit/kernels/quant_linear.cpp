@@ -688,9 +688,9 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz) {
 // two lookups and two products per 32 bytes), and x is held more finely: measured in a SmolLM2
 // step's 121 linears at batch 1 (results/cpu-kernels-2026-12-05i.md) 1.03-1.18x faster
 // (median 1.14x), 0.93-1.04x at 2 to 32 rows, where both are bound by their dot products.
-// Where a block's codes and its scales lay in separate tensors (four streams a thread, each
-// restarting at every pair), the step's linears read 1.13-1.28x slower at batch 1 (measured
-// beside this layout in one process, results/cpu-kernels-2026-12-05j.md).
+// Where a block's codes and its scales lay in tensors of their own (four streams a thread, each
+// restarting at every pair), the step's linears at batch 1 ran 0.90-1.01x as fast (median
+// 0.92x, seven runs beside this layout in one process, results/cpu-kernels-2026-12-05j.md).
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 static constexpr bool kInt4Dot = true;
 static constexpr float kX4Levels = 32639.f;  // |code| <= this: its high byte (q + 128) >> 8 <= 127
@@ -739,9 +739,10 @@ static void x_to_int4dot(const float* x, int64_t K, int64_t G, int8_t* h, int8_t
 }
 
 // How far ahead of its reads a thread asks for the bytes it reads next (one stream, so a
-// distance in bytes). Measured on this course's VM, a SmolLM2 step's int4 linears at batch 1:
-// 2 KiB ahead 0.99x the next pair spread through the current one, 4 KiB 1.16-1.21x, 6 KiB
-// 1.19-1.28x, 8 KiB 1.17-1.27x, 12-16 KiB 1.20x (results/cpu-kernels-2026-12-05j.md).
+// distance in bytes). Measured on this course's VM, a SmolLM2 step's int4 linears at batch 1
+// (results/cpu-kernels-2026-12-05j.md): 6 and 8 KiB ahead the fastest, 2 KiB 0.76x of
+// them, 16 KiB 0.83-0.94x; asking for nothing 0.98-1.00x (in one stream the CPU's own
+// prefetcher keeps up, where with four a thread it had read at 0.58-0.65x).
 static constexpr int64_t kDotAhead = 6144;
 
 // RM rows of x against RB blocks of 16 output rows (RB 2: the two of a pair, whose codes for a
