@@ -69,10 +69,15 @@ def test_a_step_reports_its_linears_read_rate_beside_the_probe(quant, capsys):
     assert "forward_floor" not in rows[1] and floor["bytes"] == step["bytes"]
     assert floor["forward_ms"] > 0 and floor["floor_ms"] > 0 and floor["context"] == 8
     assert floor["over_floor"] > 0
+    # the DRAM's own rate beside them: a buffer eight times the last-level cache (where sysfs
+    # tells it), at least 256 MiB
+    dram = rows[0]["dram"]
+    assert "dram" not in rows[1] and dram["gb_per_s"] > 0 and dram["bytes"] >= 256 << 20
+    assert dram["llc_bytes"] is None or dram["bytes"] >= 8 * dram["llc_bytes"]
     bench_step._table(rows)  # the people's table prints the same rows
     out = capsys.readouterr().out
     assert "read probe" in out and "step linears" in out and "kernel/probe" in out
-    assert "x its floor" in out
+    assert "x its floor" in out and f"reads {dram['gb_per_s']:.1f} GB/s" in out
 
 
 def test_the_step_read_ratio_sampler_gives_the_probe_over_a_pass(monkeypatch):
@@ -147,3 +152,15 @@ def test_the_probe_reads_the_weights_own_memory_where_they_lie_together():
     assert all(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
                for t in weights)  # every weight inside what the probe reads
     assert 0.9 < pair.read_scale <= 1.0  # the spans hold the weights and a little besides
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path, monkeypatch):
+    from labkit.bench import linear_rate
+
+    for name, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "32768K")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "size").write_text(size + "\n")
+    monkeypatch.setattr(linear_rate, "_CACHES", tmp_path)
+    assert linear_rate.last_level_cache() == 32 << 20
+    monkeypatch.setattr(linear_rate, "_CACHES", tmp_path / "absent")
+    assert linear_rate.last_level_cache() is None

@@ -17,6 +17,12 @@ Three views, each timed in alternating turns with the probe (medians of the turn
 - a step's linears: every layer's, then the head, in the model's order (a whole model's bytes,
   read as a step reads them), against the probe over the same bytes (one call a span);
 - the whole bare forward against the probe over those bytes: its memory floor (`forward_floor`).
+Beside them, the DRAM's own rate (`dram_rate`): the probe over a buffer eight times this CPU's
+last-level cache. A step's weights, read again every step, come partly from that cache even
+when they are larger than it (measured on this course's VM, 32 MB L3: the probe over one
+buffer read again and again, 84 MB at 43-44 GB/s, 400 MB at 32-35; results/
+cpu-kernels-2026-12-05j.md), so the probe over them can read faster than the DRAM does, and
+a kernel bound by its arithmetic falls behind it there.
 The first two call the kernel itself (`_kernel`: the one that serves the linear), not the
 module (which adds a few microseconds of Python a call, counted by the step's phase table),
 from C++ as the engine's DecoderStack calls it (`linear_pass`). (Measured on this course's VM,
@@ -30,6 +36,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,6 +46,45 @@ from labkit.utils import pages
 # a layer's linears in the order a step calls them, fused (fuse_projections) or not
 LAYER_ORDER = tuple(n for n in pages.READ_ORDER if n.endswith("_proj"))
 TURN_S = 2e-3  # one turn's length: many calls of a small linear, one or two of the head
+DRAM_MIN_BYTES = 256 << 20  # dram_rate's buffer: 8x the last-level cache, at least this
+_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache() -> int | None:
+    """Bytes of this CPU's largest cache, as Linux's sysfs gives it (None elsewhere)."""
+    sizes = []
+    for entry in _CACHES.glob("index*/size"):
+        text = entry.read_text().strip().upper()  # "32768K"
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes) if sizes else None
+
+
+def dram_rate(nbytes: int | None = None, reads: int = 9) -> dict | None:
+    """The read probe over a buffer too large for any cache: eight times the last-level cache
+    (at least DRAM_MIN_BYTES), in 2 MiB pages, the median of `reads` reads with the caller's
+    threads: the rate the DRAM itself gives. None where labkit's kernels are not built."""
+    built = cpu_kernels.kernels()
+    if built is None:
+        return None
+    llc = last_level_cache()
+    nbytes = nbytes or max(DRAM_MIN_BYTES, 8 * (llc or 0))
+    buf = pages.empty(nbytes).fill_(1)  # written: its pages really mapped
+    built.read_probe(buf)
+    took = statistics.median(_timed(lambda: built.read_probe(buf)) for _ in range(reads))
+    return {"bytes": nbytes, "gb_per_s": nbytes / took / 1e9, "llc_bytes": llc,
+            "threads": torch.get_num_threads()}
+
+
+def format_dram(d: dict) -> str:
+    """dram_rate's row as a sentence."""
+    cache = (f"{d['bytes'] / d['llc_bytes']:.0f}x this CPU's {d['llc_bytes'] / 2**20:.0f} MiB "
+             "last-level cache" if d["llc_bytes"] else "a size no cache holds")
+    return (f"the DRAM: the same probe over {d['bytes'] / 2**20:.0f} MiB ({cache}) reads "
+            f"{d['gb_per_s']:.1f} GB/s with {d['threads']} threads; weights read again every "
+            "step come partly from that cache, so the probe over them can read faster")
 
 
 def _kernel(lin) -> str | None:

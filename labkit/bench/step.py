@@ -21,7 +21,8 @@ few microseconds each, so the profiled steps are not the ones the ratio uses.
 A quantized model's row at batch 1 also carries its linears' effective read rate, each shape's
 and a whole step's, beside labkit's read probe over the same bytes where they lie
 (`linear_rate`): how close the kernels come to reading their weights as fast as this CPU can
-read bytes.
+read bytes; and the DRAM's own rate (the probe over a buffer no cache holds), since weights
+read again every step come partly from the last-level cache.
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import torch
 
-    from labkit.bench.linear_rate import forward_floor, linear_rates
+    from labkit.bench.linear_rate import dram_rate, forward_floor, linear_rates
     from labkit.loading import load_model
 
     log(f"bench step: model {args.model} (quant {args.quant}), context {args.context}, "
@@ -266,6 +267,7 @@ def main(argv: list[str]) -> int:
                 rows[-1]["linear_rates"] = linear_rates(model, turns=max(3, args.steps))
                 rows[-1]["forward_floor"] = forward_floor(model, args.context,
                                                           turns=max(5, args.steps))
+                rows[-1]["dram"] = dram_rate()
         return rows
 
     return report_rows(measure, args.json, _table)
@@ -289,7 +291,7 @@ def _table(rows: list[dict]) -> None:
         f"{100 * r['forward_split']['between_share']:>11.1f}%" for r in rows))
     if not all(r["forward_split"]["stack_served"] for r in rows):
         print("(the C++ layers did not serve this model here: both rows ran the Python layers)")
-    from labkit.bench.linear_rate import format_rates
+    from labkit.bench.linear_rate import format_dram, format_rates
     from labkit.bench.paths import format_paths
 
     print("kernels each op ran on:\n" + format_paths(rows[0]["kernel_paths"]))
@@ -304,3 +306,5 @@ def _table(rows: list[dict]) -> None:
                   f"probe reading its {f['bytes'] / 1e6:.0f} MB of weights ({f['probe']}): "
                   f"{f['forward_ms']:.2f} ms / {f['floor_ms']:.2f} ms = {f['over_floor']:.2f}x "
                   "its floor")
+        if r.get("dram"):
+            print(format_dram(r["dram"]))
