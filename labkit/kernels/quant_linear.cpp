@@ -740,9 +740,11 @@ static void x_to_int4dot(const float* x, int64_t K, int64_t G, int8_t* h, int8_t
 
 // How far ahead of its reads a thread asks for the bytes it reads next (one stream, so a
 // distance in bytes). Measured on this course's VM, a SmolLM2 step's int4 linears at batch 1
-// (results/cpu-kernels-2026-12-05j.md): 6 and 8 KiB ahead the fastest, 2 KiB 0.76x of
-// them, 16 KiB 0.83-0.94x; asking for nothing 0.98-1.00x (in one stream the CPU's own
-// prefetcher keeps up, where with four a thread it had read at 0.58-0.65x).
+// (results/cpu-kernels-2026-12-05j.md), where the memory was busy (30-45 GB/s, most of the
+// time there): 6 and 8 KiB ahead the fastest, 2 KiB 0.76x of them, 9-20 KiB 0.89-0.97x;
+// asking for nothing 0.98-1.00x (in one stream the CPU's own prefetcher keeps up, where with
+// four a thread it had read at 0.58-0.65x). Where it was quiet (56-70 GB/s), 12 KiB read
+// 1.03-1.14x as fast as 6 KiB.
 static constexpr int64_t kDotAhead = 6144;
 
 // RM rows of x against RB blocks of 16 output rows (RB 2: the two of a pair, whose codes for a
