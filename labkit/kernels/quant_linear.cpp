@@ -13,6 +13,14 @@
 // the core's few line-fill buffers until its line arrives, and the kernel's loads queue behind).
 #define LK_LOC 2
 
+// Up to this many rows of x, each thread of an int8 or int4 kernel on the integer dot product
+// makes x's int16 codes itself, into buffers it keeps, rather than the calling thread once
+// into buffers allocated each call while the others wait. Measured (a SmolLM2 step's int4
+// linears, one process, alternating; results/cpu-kernels-2026-12-05j.md): at batch 1 1.07x
+// and 1.14x where the memory was quiet, 1.02x where busy; 1.06x at 2 rows, 1.04x at 4, 1.02x
+// at 8, 1.00x at 16 (where the shared codes stay).
+static constexpr int64_t kXEachThread = 8;
+
 // When (fp32_linear, and int8_linear on its integer dot product): a thread multiplying one
 // block of weight rows asks for the block two ahead of it, spread through the block's loop,
 // each step asking for as many bytes of that block as it reads of its own, so requests flow
@@ -247,20 +255,32 @@ static void rows_i16(const int16_t* xq, const float* xs, int64_t M, int64_t K, c
 static void int8_into(const float* xp, const int8_t* qp, const float* sp, float* yp,
                       int64_t M, int64_t K, int64_t N, bool tiled = false) {
   const int64_t nb = (K + kXBlock - 1) / kXBlock;
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> xs(M * nb);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      x_to_int16(xp + m * K, K, xq.data() + m * K, xs.data() + m * nb);
-  });
-  const int16_t* xqp = xq.data();
-  const float* xsp = xs.data();
+  // x as int16: a decode step's few rows by each thread itself, into buffers it keeps (no
+  // thread waits while one makes them, nothing allocated a call; int4_linear_dot's XCodes)
+  const bool each = M <= kXEachThread;
+  std::vector<int16_t> xq(each ? 0 : M * K);
+  std::vector<float> xs(each ? 0 : M * nb);
+  if (!each)
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        x_to_int16(xp + m * K, K, xq.data() + m * K, xs.data() + m * nb);
+    });
   // a block: 6 code rows (the tiles' own, or one or two rows of x on rows), or 3
   const int64_t RN = tiled || M <= 2 ? 6 : 3;
   const int64_t nblocks = (N + RN - 1) / RN;
   const int64_t Kp = tiled ? (K + 31) / 32 * 32 : K;  // a code row's bytes
   const int64_t rs = tiled ? 32 : K, cs = tiled ? 6 * 32 : 32;
   at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<int16_t> my_xq;
+    thread_local std::vector<float> my_xs;
+    if (each) {
+      my_xq.resize(M * K);
+      my_xs.resize(M * nb);
+      for (int64_t m = 0; m < M; ++m)
+        x_to_int16(xp + m * K, K, my_xq.data() + m * K, my_xs.data() + m * nb);
+    }
+    const int16_t* xqp = each ? my_xq.data() : xq.data();
+    const float* xsp = each ? my_xs.data() : xs.data();
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
       const int8_t* blk = qp + n0 * Kp;
@@ -822,6 +842,24 @@ static inline void dot_block(const int32_t* xh, const int32_t* xl, int64_t ldx, 
     for (int r = 0; r < RB; ++r) _mm512_storeu_ps(y + i * ldy + r * 16, acc[i][r]);
 }
 
+// x as int16 codes (x_to_int4dot, row after row): high and low bytes, each group's scale and
+// scaled sum
+struct XCodes {
+  std::vector<int32_t> h, l;
+  std::vector<float> sx, xs;
+  void fill(const float* x, int64_t M, int64_t K, int64_t G) {
+    const int64_t ng = K / G;
+    h.resize(M * K / 4);
+    l.resize(M * K / 4);
+    sx.resize(M * ng);
+    xs.resize(M * ng);
+    for (int64_t m = 0; m < M; ++m)
+      x_to_int4dot(x + m * K, K, G, reinterpret_cast<int8_t*>(h.data() + m * K / 4),
+                   reinterpret_cast<int8_t*>(l.data() + m * K / 4), sx.data() + m * ng,
+                   xs.data() + m * ng);
+  }
+};
+
 // y [M, N] = x [M, K] (fp32) times the int4 codes in int4_dot_layout. Each thread an equal run
 // of pairs of blocks, read front to back. Up to 3 rows of x take a pair's two blocks at once
 // (one row: 2 independent sums in flight; 3 rows: 18 of the 32 vector registers in sums);
@@ -839,19 +877,22 @@ at::Tensor int4_linear_dot(at::Tensor x, at::Tensor packed) {
   const int64_t ng = packed.size(1), G = K / ng, ug = G / 8;
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;  // (no rows: a step whose logits nobody asked for)
-  // x as int16 codes once per call: high and low bytes, each group's scale and scaled sum
-  std::vector<int32_t> xh(M * K / 4), xl(M * K / 4);
-  std::vector<float> sx(M * ng), xs(M * ng);
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    x_to_int4dot(xp + m * K, K, G, reinterpret_cast<int8_t*>(xh.data() + m * K / 4),
-                 reinterpret_cast<int8_t*>(xl.data() + m * K / 4), sx.data() + m * ng,
-                 xs.data() + m * ng);
   const uint8_t* cp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t NP = (NB + 1) / 2, pair_bytes = 2 * ng * (8 * G + 64), ldx = K / 4;
   const int64_t nth = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NP));
+  // x as int16 codes: a decode step's few rows by each thread itself, into buffers it keeps
+  // (no thread waits while one makes them, nothing allocated a call); more rows once, shared
+  const bool each = M <= kXEachThread;
+  XCodes shared;
+  if (!each) shared.fill(xp, M, K, G);
   at::parallel_for(0, nth, 1, [&](int64_t t0, int64_t t1) {
+    thread_local XCodes mine;
+    if (each) mine.fill(xp, M, K, G);
+    const XCodes& xc = each ? mine : shared;
+    const int32_t *xh = xc.h.data(), *xl = xc.l.data();
+    const float *sx = xc.sx.data(), *xs = xc.xs.data();
     for (int64_t th = t0; th < t1; ++th) {
       for (int64_t p = NP * th / nth; p < NP * (th + 1) / nth; ++p) {
         const int64_t nb = std::min<int64_t>(2, NB - 2 * p), unit = nb * (8 * G + 64);
@@ -861,8 +902,8 @@ at::Tensor int4_linear_dot(at::Tensor x, at::Tensor packed) {
         const int64_t per = (unit / 64 + ug - 1) / ug;
         float* yb = yp + p * 32;
         if (M <= 3) {
-#define LK_DOT(RB, RM) dot_block<RB, RM>(xh.data(), xl.data(), ldx, sx.data(), xs.data(), ng, \
-                                         G, c, s, unit, yb, N, ahead, per)
+#define LK_DOT(RB, RM) dot_block<RB, RM>(xh, xl, ldx, sx, xs, ng, G, c, s, unit, yb, N, ahead, \
+                                         per)
           if (nb == 2) {
             switch (M) { case 3: LK_DOT(2, 3); break; case 2: LK_DOT(2, 2); break;
                          default: LK_DOT(2, 1); }
@@ -877,9 +918,9 @@ at::Tensor int4_linear_dot(at::Tensor x, at::Tensor packed) {
           for (int64_t m = 0; m < M; m += 6) {
             // the pair's first pass asks for what lies ahead; the rest reads it from cache
             const char* a = r == 0 && m == 0 ? ahead : nullptr;
-#define LK_DOT(RM) dot_block<1, RM>(xh.data() + m * ldx, xl.data() + m * ldx, ldx, \
-                                    sx.data() + m * ng, xs.data() + m * ng, ng, G, c + r * 8 * G, \
-                                    s + r * 64, unit, yb + m * N + r * 16, N, a, per)
+#define LK_DOT(RM) dot_block<1, RM>(xh + m * ldx, xl + m * ldx, ldx, sx + m * ng, xs + m * ng, \
+                                    ng, G, c + r * 8 * G, s + r * 64, unit, yb + m * N + r * 16, \
+                                    N, a, per)
             switch (std::min<int64_t>(6, M - m)) {
               case 6: LK_DOT(6); break; case 5: LK_DOT(5); break; case 4: LK_DOT(4); break;
               case 3: LK_DOT(3); break; case 2: LK_DOT(2); break; default: LK_DOT(1);
