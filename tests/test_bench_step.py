@@ -78,6 +78,7 @@ def test_a_step_reports_its_linears_read_rate_beside_the_probe(quant, capsys):
     out = capsys.readouterr().out
     assert "read probe" in out and "step linears" in out and "kernel/probe" in out
     assert "x its floor" in out and f"reads {dram['gb_per_s']:.1f} GB/s" in out
+    assert f"read {step['gb_per_s'] / dram['gb_per_s']:.2f}x the DRAM's rate" in out
 
 
 def test_the_step_read_ratio_sampler_gives_the_probe_over_a_pass(monkeypatch):

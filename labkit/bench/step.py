@@ -308,3 +308,7 @@ def _table(rows: list[dict]) -> None:
                   "its floor")
         if r.get("dram"):
             print(format_dram(r["dram"]))
+            if r.get("linear_rates"):
+                step = r["linear_rates"][-1]
+                print(f"  the step's linears read {step['gb_per_s'] / r['dram']['gb_per_s']:.2f}x "
+                      "the DRAM's rate")
