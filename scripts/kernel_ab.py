@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -56,6 +55,7 @@ def main(argv: list[str]) -> int:
     rows = [int(r) for r in args.rows.split(",")]
 
     from labkit.bench import linear_rate
+    from labkit.bench.quant import alternate
     from labkit.kernels import cpu as cpu_kernels
     from labkit.loading import load_model
 
@@ -81,18 +81,11 @@ def main(argv: list[str]) -> int:
                 return 2
             sides = {"this tree": lambda c=calls: here.linear_pass(c, 1),
                      sha: lambda c=calls: there.linear_pass(c, 1), "probe": pair.read}
-            took: dict[str, list[float]] = {k: [] for k in sides}
             with torch.inference_mode():
-                for f in sides.values():
-                    f()
-                for turn in range(args.turns):
-                    for k in (list(sides) if turn % 2 == 0 else list(sides)[::-1]):
-                        t0 = time.perf_counter()
-                        sides[k]()
-                        took[k].append(time.perf_counter() - t0)
+                took = alternate(sides, rounds=args.turns, steps=1)  # ms per turn
             ratio = [a / b for a, b in zip(took[sha], took["this tree"])]
             print(f"{m} row(s), {len(calls)} linears, {pair.nbytes / 1e6:.0f} MB: " + ", ".join(
-                f"{k} {pair.nbytes / statistics.median(v) / 1e9:.1f} GB/s" for k, v in took.items())
+                f"{k} {pair.nbytes / statistics.median(v) / 1e6:.1f} GB/s" for k, v in took.items())
                 + f"; this tree {statistics.median(ratio):.3f}x as fast as {sha} "
                 f"({min(ratio):.3f}-{max(ratio):.3f} over {args.turns} turns)")
     return 0

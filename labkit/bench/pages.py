@@ -55,14 +55,10 @@ def read_gain(nbytes: int, buffers: int = 4, reads: int = 3, n: int = 7,
         def make():
             # where memory is fragmented the kernel may give a buffer no 2 MiB pages at all:
             # ask again (its compaction runs meanwhile), up to 3 times, and keep the best
-            best = pages.empty(nbytes, huge=huge).fill_(1)
-            for _ in range(2 if huge else 0):
-                if pages.huge_bytes(best) >= nbytes // 2:
-                    break
-                again = pages.empty(nbytes, huge=True).fill_(1)
-                if pages.huge_bytes(again) > pages.huge_bytes(best):
-                    best = again
-            return best
+            tries = [pages.empty(nbytes, huge=huge).fill_(1)]
+            while huge and len(tries) < 3 and pages.huge_bytes(tries[-1]) < nbytes // 2:
+                tries.append(pages.empty(nbytes, huge=True).fill_(1))
+            return max(tries, key=pages.huge_bytes)
         return make
 
     make = {"4 KiB": buffer(False), "2 MiB": buffer(not control)}

@@ -14,11 +14,12 @@
 #define LK_LOC 2
 
 // Up to this many rows of x, each thread of an int8 or int4 kernel on the integer dot product
-// makes x's int16 codes itself, into buffers it keeps, rather than the calling thread once
-// into buffers allocated each call while the others wait. Measured (a SmolLM2 step's int4
-// linears, one process, alternating; results/cpu-kernels-2026-12-05j.md): at batch 1 1.07x
-// and 1.14x where the memory was quiet, 1.02x where busy; 1.06x at 2 rows, 1.04x at 4, 1.02x
-// at 8, 1.00x at 16 (where the shared codes stay).
+// makes x's int16 codes itself, into buffers it keeps (XInt16, XCodes), rather than the
+// calling thread once into buffers allocated each call while the others wait. Measured (a
+// SmolLM2 step's linears, one process, alternating; results/cpu-kernels-2026-12-05j.md): int4
+// at batch 1 1.07x and 1.14x where the memory was quiet, 1.02x where busy; 1.06x at 2 rows,
+// 1.04x at 4, 1.02x at 8, 1.00x at 16 (where the shared codes stay); int8 at batch 1
+// 1.00-1.02x (busy).
 static constexpr int64_t kXEachThread = 8;
 
 // When (fp32_linear, and int8_linear on its integer dot product): a thread multiplying one
@@ -176,6 +177,22 @@ static void x_to_int16(const float* x, int64_t K, int16_t* q, float* s) {
   }
 }
 
+// rows of x as int16 codes (x_to_int16, the rows spread over the threads where there are many;
+// inline where called from a thread of a parallel region): codes [M, K], scales [M, K/64]
+struct XInt16 {
+  std::vector<int16_t> q;
+  std::vector<float> s;
+  void fill(const float* x, int64_t M, int64_t K) {
+    const int64_t nb = (K + kXBlock - 1) / kXBlock;
+    q.resize(M * K);
+    s.resize(M * nb);
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        x_to_int16(x + m * K, K, q.data() + m * K, s.data() + m * nb);
+    });
+  }
+};
+
 // Where a code is: code row j's chunk c (its codes k = 32c .. 32c + 31) starts at w + j rs +
 // c cs. Rows as they are ([N, K]: rs = K, cs = 32), or labkit's tiles (`int8_linear_tiled`:
 // rs = 32, cs = 6 x 32, each 32 codes of 6 rows side by side).
@@ -254,33 +271,22 @@ static void rows_i16(const int16_t* xq, const float* xs, int64_t M, int64_t K, c
 // 6 x Kp bytes read front to back, else rows [N, K].
 static void int8_into(const float* xp, const int8_t* qp, const float* sp, float* yp,
                       int64_t M, int64_t K, int64_t N, bool tiled = false) {
-  const int64_t nb = (K + kXBlock - 1) / kXBlock;
   // x as int16: a decode step's few rows by each thread itself, into buffers it keeps (no
-  // thread waits while one makes them, nothing allocated a call; int4_linear_dot's XCodes)
+  // thread waits while one makes them, nothing allocated a call); more rows once, shared
   const bool each = M <= kXEachThread;
-  std::vector<int16_t> xq(each ? 0 : M * K);
-  std::vector<float> xs(each ? 0 : M * nb);
-  if (!each)
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        x_to_int16(xp + m * K, K, xq.data() + m * K, xs.data() + m * nb);
-    });
+  XInt16 shared;
+  if (!each) shared.fill(xp, M, K);
   // a block: 6 code rows (the tiles' own, or one or two rows of x on rows), or 3
   const int64_t RN = tiled || M <= 2 ? 6 : 3;
   const int64_t nblocks = (N + RN - 1) / RN;
   const int64_t Kp = tiled ? (K + 31) / 32 * 32 : K;  // a code row's bytes
   const int64_t rs = tiled ? 32 : K, cs = tiled ? 6 * 32 : 32;
   at::parallel_for(0, nblocks, 4, [&](int64_t b0, int64_t b1) {
-    thread_local std::vector<int16_t> my_xq;
-    thread_local std::vector<float> my_xs;
-    if (each) {
-      my_xq.resize(M * K);
-      my_xs.resize(M * nb);
-      for (int64_t m = 0; m < M; ++m)
-        x_to_int16(xp + m * K, K, my_xq.data() + m * K, my_xs.data() + m * nb);
-    }
-    const int16_t* xqp = each ? my_xq.data() : xq.data();
-    const float* xsp = each ? my_xs.data() : xs.data();
+    thread_local XInt16 mine;
+    if (each) mine.fill(xp, M, K);
+    const XInt16& xc = each ? mine : shared;
+    const int16_t* xqp = xc.q.data();
+    const float* xsp = xc.s.data();
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * RN, rn = std::min<int64_t>(RN, N - n0);
       const int8_t* blk = qp + n0 * Kp;
