@@ -37,8 +37,9 @@ at batch 1 on this course's VM 2.2-2.5x faster than int4_linear (results/). Ther
 holds x as int16 too (a scale per 64 values, `int8_x_as_int16`) and
 multiplies the codes by an integer dot product: turning codes into fp32 had bound it by its
 arithmetic (1.3x faster at batch 1, results/cpu-kernels-2026-12-05.md), and holds the codes
-in tiles of 6 rows read front to back (`cpu_kernels.int8_linear_tiled`; a step's linears
-1.05-1.10x faster, results/cpu-kernels-2026-12-05b.md). Scales and zeros
+in its own layout, 16 rows side by side as unsigned bytes, for `vpdpbusd`
+(`cpu_kernels.int8_linear_dot`; a step's linears 1.4-1.9x faster at 4 to 32 rows,
+results/cpu-kernels-2026-12-06.md). Scales and zeros
 are rounded to bf16 when quantizing, so the kernel and the dequantize reference
 (`QuantLinear.reference`) compute with the very same numbers. The tied embedding/LM head: the
 head is quantized like any linear; the embedding lookup keeps the exact fp32 rows (it reads one
@@ -64,11 +65,11 @@ QUANT_VERSION = 2  # bump when the quantized format changes or old entries may b
 INT4_GROUPS = (32, 64, 128)
 _CANONICAL = ("qweight", "scale", "zero")
 # labkit's layouts, each with its exact inverse: a QuantLinear on one of them holds only it
-# (kweight, kscale) -> codes, scale, zero (int8's tiles: K a multiple of 32, int8_tiled_fits)
+# (kweight, kscale) -> codes, scale, zero (int8's: K a multiple of 64, int8_dot_fits)
 _LOSSLESS = {"int4_linear_dot": lambda packed, _: cpu_kernels.int4_dot_codes(packed),
              "int4_linear": cpu_kernels.int4_codes,
-             "int8_linear_tiled": lambda tiles, scale: (
-                 cpu_kernels.int8_tiled_codes(tiles, scale.numel()), scale, None)}
+             "int8_linear_dot": lambda packed, scale: (
+                 cpu_kernels.int8_dot_codes(packed, scale.numel()), scale, None)}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -239,7 +240,7 @@ class QuantLinear(nn.Module):
     The canonical codes (what the cache stores, in its state_dict): int8 `qweight` [N, K] and
     `scale` [N]; int4 `qweight` [N, K/2] (pack_int4), `scale`, `zero` [N, K/g]. The kernel's
     own layout (`kweight`, `kscale`) is derived from them and not stored: for int8 on the CPU,
-    labkit's tiles (`cpu_kernels.int8_tiled_layout`) where `cpu_kernels.int8_tiled_fits`, else
+    labkit's layout (`cpu_kernels.int8_dot_layout`) where `cpu_kernels.int8_dot_fits`, else
     the codes as they are; for int4 on the CPU, labkit's dot-product layout (`kweight` [N/16,
     K/G, 8G + 64] bytes: codes, scales and zeros in the order a thread reads them; `kscale`
     empty) where `cpu_kernels.int4_dot_fits`, else labkit's (`kscale` [N, K/G]) where
@@ -314,10 +315,10 @@ class QuantLinear(nn.Module):
         dev = self.qweight.device
         # which of labkit's CPU kernels serves this linear (where `usable`), else None: torch's
         self._labkit_kernel = None
-        if self.scheme.bits == 8 and cpu_kernels.int8_tiled_fits(self.in_features, self.scale):
-            # an AVX512-VNNI CPU: the codes in tiles of 6 rows, read front to back
-            kw, ks = cpu_kernels.int8_tiled_layout(self.qweight), self.scale
-            self._labkit_kernel = "int8_linear_tiled"
+        if self.scheme.bits == 8 and cpu_kernels.int8_dot_fits(self.in_features, self.scale):
+            # an AVX512-VNNI CPU: the codes + 128 on vpdpbusd, 16 rows side by side
+            kw, ks = cpu_kernels.int8_dot_layout(self.qweight), self.scale
+            self._labkit_kernel = "int8_linear_dot"
         elif self.scheme.bits == 8:  # (kscale: what torch's int8 kernel takes)
             kw, ks = self.qweight, self.scale.to(torch.bfloat16)
             self._labkit_kernel = "int8_linear"
@@ -392,7 +393,7 @@ class QuantLinear(nn.Module):
             if mod is not None:
                 x2 = x if x.dim() == 2 and x.is_contiguous() else (
                     x.reshape(-1, self.in_features).contiguous())  # [M, K]
-                kernel = getattr(mod, labkits)  # int8_linear(_tiled), int4_linear(_dot)
+                kernel = getattr(mod, labkits)  # int8_linear(_dot), int4_linear(_dot)
                 y = (kernel(x2, self.kweight) if labkits == "int4_linear_dot"
                      else kernel(x2, self.qweight, self.scale) if labkits == "int8_linear"
                      else kernel(x2, self.kweight, self.kscale))  # [M, N]

@@ -232,8 +232,8 @@ def test_kernel_paths_name_the_kernel_each_op_runs_on_and_why_not():
     if cpu_kernels.kernels() is not None:
         assert "labkit C++" in linear and "int8_linear" in linear
         # and its arithmetic, which the build decides (a figure from another CPU explained)
-        assert ("on vpdpwssd (x as int16)" if cpu_kernels.kernels().has_int8_dot()
-                else "(codes to fp32)") in linear
+        assert ("int8_linear_dot on vpdpbusd (x as int16 in two bytes)"
+                if cpu_kernels.kernels().has_int8_dot() else "(codes to fp32)") in linear
         assert paths["attention"].endswith("flash_attention")
     else:
         assert "torch _weight_int8pack_mm" in linear and cpu_kernels.status() in linear

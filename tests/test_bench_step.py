@@ -54,7 +54,7 @@ def test_a_step_reports_its_linears_read_rate_beside_the_probe(quant, capsys):
     assert step["shape"] == f"{len(layer) * 2 + 1} linears" and step["bytes"] > sum(
         r["bytes"] for r in per_shape)
     kernels = (["fp32_linear"] if quant == "none"
-               else ["int8_linear", "int8_linear_tiled", "int4_linear", "int4_linear_dot"])
+               else ["int8_linear", "int8_linear_dot", "int4_linear", "int4_linear_dot"])
     for r in rates:
         assert r["kernel"] in kernels, r
         assert r["bytes"] > 0 and r["us"] > 0 and r["probe_us"] > 0 and r["threads"] >= 1, r

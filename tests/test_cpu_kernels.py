@@ -51,7 +51,7 @@ def test_the_int8_kernel_equals_the_dequantized_reference(rows, bias, k):
     moved = (xk - x).abs()
     amax = torch.cat([x[:, k0:k0 + 64].abs().amax(-1, keepdim=True).expand(-1, min(64, k - k0))
                       for k0 in range(0, k, 64)], dim=1)
-    assert (moved <= amax / 65534 * 1.01).all()  # (and the fp32 rounding of code x scale)
+    assert (moved <= amax / 65278 * 1.01).all()  # (and the fp32 rounding of code x scale)
     bound = moved @ lin.dequantized().abs().t() + 1e-5
     assert ((got - lin.reference(x)).abs() <= bound).all()
     assert lin(x[None]).shape == (1, rows, lin.out_features)  # leading dims kept
@@ -109,35 +109,50 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(k):
 
 
 needs_int8_dot = pytest.mark.skipif(built is None or not built.has_int8_dot(),
-                                    reason="this CPU has no AVX512-VNNI: no int8_linear_tiled")
+                                    reason="this CPU has no AVX512-VNNI: no int8_linear_dot")
+
+
+def test_int8_dot_layout_puts_16_rows_side_by_side_and_gives_the_codes_back():
+    q = torch.randint(-128, 128, (20, 100), dtype=torch.int8, generator=torch.Generator()
+                      .manual_seed(4))
+    packed = cpu_kernels.int8_dot_layout(q)
+    assert packed.shape == (2, 2, 1024) and packed.dtype == torch.uint8
+    assert torch.equal(cpu_kernels.int8_dot_codes(packed, 20, 100), q)
+    held = packed.view(2, 2, 16, 16, 4).to(torch.int16) - 128  # [block, k/64, k-quad, row, 4]
+    assert torch.equal(held[0, 0, 0, 1], q[1, :4].to(torch.int16))  # run 0: k 0..3 of each row
+    assert torch.equal(held[0, 0, 1, 0], q[0, 4:8].to(torch.int16))  # run 1: k 4..7
+    assert torch.equal(held[1, 1, 8, 3], q[19, 96:100].to(torch.int16))  # k 96..99, row 19
+    assert not held[1, :, :, 4:].any() and not held[:, 1, 9:].any()  # zeros past N and K
 
 
 @needs_int8_dot
-@pytest.mark.parametrize("n,k", [(200, 100), (8, 576), (7, 64), (48, 1536)])
-def test_int8_on_tiles_gives_the_bits_int8_on_rows_gives(n, k):
-    # the same integer sums in the same order, read from tiles of 6 rows (zeros past N and K:
-    # N = 200 and 8 end in a short block, K = 100 in a short tile), at every row count
+@pytest.mark.parametrize("n,k", [(200, 100), (8, 576), (7, 64), (48, 1536), (33, 1000)])
+def test_int8_linear_dot_gives_the_bits_int8_linear_gives(n, k):
+    # the same integers (x's codes split in two bytes, the codes + 128, the offset taken off
+    # a block at a time), each block's sum made fp32 and added in the same order: N = 200, 8,
+    # 7, 33 end in a short block of rows, K = 100 and 1000 in a short block of k; every x
+    # block holds a code at +-32639 (its amax), the widest split. Each row count: 1 row (its
+    # own path), 2-4 in one tile, 5-11 in tiles of 4 and what is left, 9 and 11 with x's codes
+    # made once and shared
     q, s = _int8_linear(n=n, k=k).canonical()[:2]
-    tiles = cpu_kernels.int8_tiled_layout(q)
-    assert tiles.shape == (-(-n // 6), -(-k // 32), 6, 32)
-    assert torch.equal(cpu_kernels.int8_tiled_codes(tiles, n, k), q)
-    assert torch.equal(tiles[0, 0, 1, :3], q[1, :3])  # tile [b, c]: rows 6b.., codes 32c..
+    packed = cpu_kernels.int8_dot_layout(q)
     x = torch.randn(11, k, generator=torch.Generator().manual_seed(5))
-    for m in (1, 2, 3, 4, 5, 11):  # one or two rows: 6 code rows at once; more: 3, 3
-        assert torch.equal(built.int8_linear_tiled(x[:m], tiles, s),
+    x[3, :64] *= 1e6  # (rows of very different scales: each block its own)
+    for m in (1, 2, 3, 4, 5, 8, 9, 11):
+        assert torch.equal(built.int8_linear_dot(x[:m], packed, s),
                            built.int8_linear(x[:m], q, s)), m
 
 
 @needs_int8_dot
-def test_int8_on_tiles_refuses_tiles_of_another_shape():
-    q, s = _int8_linear(n=12, k=64).canonical()[:2]
-    tiles = cpu_kernels.int8_tiled_layout(q)
-    with pytest.raises(RuntimeError, match="tiles"):
-        built.int8_linear_tiled(torch.randn(1, 96), tiles, s)  # K = 96 needs 3 tiles a block
-    with pytest.raises(RuntimeError, match="tiles"):
-        built.int8_linear_tiled(torch.randn(1, 64), tiles, s[:6])  # N = 6: one block, not 2
-    with pytest.raises(RuntimeError, match="tiles"):
-        built.int8_linear_tiled(torch.randn(1, 64), q, s)  # the codes as they are
+def test_int8_linear_dot_refuses_a_layout_of_another_shape():
+    q, s = _int8_linear(n=20, k=64).canonical()[:2]
+    packed = cpu_kernels.int8_dot_layout(q)
+    with pytest.raises(RuntimeError, match="int8_dot_layout"):
+        built.int8_linear_dot(torch.randn(1, 128), packed, s)  # K = 128 needs 2 blocks of k
+    with pytest.raises(RuntimeError, match="int8_dot_layout"):
+        built.int8_linear_dot(torch.randn(1, 64), packed, s[:16])  # N = 16: one block, not 2
+    with pytest.raises(RuntimeError, match="int8_dot_layout"):
+        built.int8_linear_dot(torch.randn(1, 64), q, s)  # the codes as they are
 
 
 @needs_kernel
@@ -182,7 +197,7 @@ def test_the_fp32_kernel_serves_few_rows_only_and_python_agrees_with_the_stack()
 
 
 def test_without_the_kernel_quantlinear_uses_torchs(monkeypatch):
-    monkeypatch.setenv("LABKIT_INT8_TILES", "0")  # the codes as they are, which torch reads
+    monkeypatch.setenv("LABKIT_INT8_DOT", "0")  # the codes as they are, which torch reads
     lin = _int8_linear(k=128, bias=True)  # torch's int8 kernel wants K in whole blocks
     x = torch.randn(2, lin.in_features, generator=torch.Generator().manual_seed(2))
     monkeypatch.setitem(cpu_kernels._state, "module", None)
@@ -196,11 +211,11 @@ def test_without_the_kernel_quantlinear_uses_torchs(monkeypatch):
 
 
 @needs_int8_dot
-def test_without_the_kernel_an_int8_linear_on_tiles_takes_the_reference(monkeypatch):
-    # torch has no op for labkit's tiles: a torch mode (or no module) gets the dequantized
-    # reference, which recovers the codes from the tiles
+def test_without_the_kernel_an_int8_linear_on_labkits_layout_takes_the_reference(monkeypatch):
+    # torch has no op for labkit's layout: a torch mode (or no module) gets the dequantized
+    # reference, which recovers the codes from the layout
     lin = _int8_linear(k=128, bias=True)
-    assert lin._labkit_kernel == "int8_linear_tiled"
+    assert lin._labkit_kernel == "int8_linear_dot"
     x = torch.randn(2, lin.in_features, generator=torch.Generator().manual_seed(2))
     monkeypatch.setitem(cpu_kernels._state, "module", None)
     assert torch.equal(lin(x), lin.reference(x))

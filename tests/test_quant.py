@@ -75,47 +75,58 @@ def test_packed_kernel_layout_holds_the_codes(spec):
     got = ql(torch.eye(128)).t()  # [N, K]
     want = ql.dequantized()
     # labkit's kernels sum in fp32: exact (int4: cpu_kernels.int4_layout, or int4_dot_layout,
-    # whose int16 activations hold the identity's 0s and 1s exactly, with exact products)
+    # whose int16 activations hold the identity's 0s and 1s exactly, with exact products);
+    # int8 on the integer dot product holds a 1 as 32639 codes times a scale of 1 / 32639,
+    # which fp32 rounds: within a few roundings, where a lost or misplaced code would be off
+    # by at least a step (a 127th of the row's largest weight)
     labkits = cpu_kernels.kernels() is not None and ql._labkit_kernel is not None
     if not labkits:  # torch's kernels output bf16
         want = want.bfloat16().float()
-    assert torch.equal(got, want), f"{spec}: packed weights differ from the codes"
+    if labkits and ql.scheme.bits == 8 and cpu_kernels.kernels().has_int8_dot():
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        q, scale, _ = ql.canonical()
+        off = q.clone()
+        off[5, 7] += 1 if off[5, 7] < 127 else -1
+        with pytest.raises(AssertionError):  # (the check sees one code off by one)
+            torch.testing.assert_close(got, dequantize_int8(off, scale), rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(got, want), f"{spec}: packed weights differ from the codes"
 
 
-@pytest.mark.parametrize("tiles", ["1", "0"])
-def test_an_int8_linear_on_labkits_tiles_holds_only_them_and_gives_the_codes_back(
-        monkeypatch, tiles):
-    # where the CPU has the integer dot product, int8 codes are held in labkit's tiles alone
-    # (cpu_kernels.int8_tiled_layout); LABKIT_INT8_TILES=0 keeps them as they are
-    monkeypatch.setenv("LABKIT_INT8_TILES", tiles)
-    w = torch.randn(100, 128, generator=torch.Generator().manual_seed(8))  # 16 blocks of 6 + 4
+@pytest.mark.parametrize("dot", ["1", "0"])
+def test_an_int8_linear_on_labkits_layout_holds_only_it_and_gives_the_codes_back(
+        monkeypatch, dot):
+    # where the CPU has the integer dot product, int8 codes are held in labkit's layout alone
+    # (cpu_kernels.int8_dot_layout); LABKIT_INT8_DOT=0 keeps them as they are
+    monkeypatch.setenv("LABKIT_INT8_DOT", dot)
+    w = torch.randn(100, 128, generator=torch.Generator().manual_seed(8))  # 6 blocks of 16 + 4
     q, s = quantize_int8(w, bf16_scales=True)
     ql = QuantLinear(128, 100, QuantScheme.parse("int8"))
     ql.set_codes(q, s)
     built = cpu_kernels.kernels()
-    if tiles == "0" or built is None or not built.has_int8_dot():
+    if dot == "0" or built is None or not built.has_int8_dot():
         assert ql._labkit_kernel == "int8_linear"  # (torch's kernel where none is built)
         assert torch.equal(ql.qweight, q) and "qweight" in ql.state_dict()
         return
-    assert ql._labkit_kernel == "int8_linear_tiled"
+    assert ql._labkit_kernel == "int8_linear_dot"
     assert {n for n, _ in ql.named_buffers()} == {"kweight", "kscale"}
-    assert ql.kweight.shape == (17, 4, 6, 32)  # the last block's 2 rows past N are zeros
-    assert not ql.kweight[16, :, 4:].any()
+    assert ql.kweight.shape == (7, 2, 1024)  # the last block's 12 rows past N hold 0 (as 128)
+    assert (ql.kweight[6].view(2, 16, 16, 4)[:, :, 4:] == 128).all()
     state = ql.state_dict()
     assert torch.equal(state["qweight"], q) and torch.equal(state["scale"], s)
     assert "zero" not in state and torch.equal(ql.canonical()[0], q)
     assert torch.equal(ql.dequantized(), dequantize_int8(q, s))
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(9))
     before = ql(x)
-    monkeypatch.setenv("LABKIT_INT8_TILES", "0")  # the same codes as they are: the same bits
+    monkeypatch.setenv("LABKIT_INT8_DOT", "0")  # the same codes as they are: the same bits
     rows = QuantLinear(128, 100, QuantScheme.parse("int8"))
     rows.set_codes(state["qweight"], state["scale"])
     # (under a torch mode, the tests' fake CUDA, torch's ops serve both: other roundings)
     served = cpu_kernels.usable(x) is not None
     assert rows._labkit_kernel == "int8_linear" and (not served or torch.equal(rows(x), before))
-    monkeypatch.setenv("LABKIT_INT8_TILES", "1")
-    relayout(ql)  # as after a move: the codes recovered from the tiles, the tiles rebuilt
-    assert torch.equal(ql(x), before) and ql._labkit_kernel == "int8_linear_tiled"
+    monkeypatch.setenv("LABKIT_INT8_DOT", "1")
+    relayout(ql)  # as after a move: the codes recovered from the layout, the layout rebuilt
+    assert torch.equal(ql(x), before) and ql._labkit_kernel == "int8_linear_dot"
 
 
 @pytest.mark.parametrize("int4_dot", ["1", "0"])

@@ -36,14 +36,14 @@ def kernel_paths(model, attention: str, device: str = "cpu") -> list[tuple[str, 
                 linears[f"{labkit} int8_linear " + ("on vpdpwssd (x as int16)"
                                                     if built.has_int8_dot()
                                                     else "(codes to fp32)")] += 1
-            elif name == "int8_linear_tiled" and labkit is not None:
-                linears[f"{labkit} int8_linear_tiled on vpdpwssd (x as int16), the codes in "
-                        "tiles of 6 rows"] += 1
+            elif name == "int8_linear_dot" and labkit is not None:
+                linears[f"{labkit} int8_linear_dot on vpdpbusd (x as int16 in two bytes), "
+                        "the codes in blocks of 16 rows"] += 1
             elif name == "int4_linear_dot" and labkit is not None:
                 linears[f"{labkit} int4_linear_dot on vpdpbusd (x as int16)"] += 1
             elif name is not None and labkit is not None:
                 linears[f"{labkit} {name}"] += 1
-            elif mod.scheme.bits == 8 and name != "int8_linear_tiled":
+            elif mod.scheme.bits == 8 and name != "int8_linear_dot":
                 linears[f"torch _weight_int8pack_mm ({why})"] += 1
             else:
                 linears[f"torch dequantize-then-matmul ({why})"] += 1

@@ -5,8 +5,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp32_linear", &fp32_linear, "y = x W^T, fp32 W, for a few rows: W read once, batch-invariant");
   m.attr("FP32_KERNEL_ROWS") = kFp32KernelRows;
   m.def("int8_linear", &int8_linear, "y = x W^T, W int8 codes with one scale per output row");
-  m.def("int8_linear_tiled", &int8_linear_tiled,
-        "int8_linear on labkit's tiles of the codes (int8_tiled_layout; AVX512-VNNI builds)");
+  m.def("int8_linear_dot", &int8_linear_dot,
+        "int8_linear on vpdpbusd, the codes in int8_dot_layout (AVX512-VNNI builds)");
   m.def("int4_linear", &int4_linear, "y = x W^T, W int4 codes with a scale and zero per group");
   m.def("int4_linear_dot", &int4_linear_dot,
         "int4_linear on an integer dot product, x as int16 (AVX512-VNNI builds)");

@@ -4,7 +4,7 @@ CPU has them, a scalar loop of the same structure elsewhere), for the places whe
 cost more in dispatch or conversion than in arithmetic:
 
     lanes.h              the fixed-order lane reductions every kernel shares (batch invariance)
-    quant_linear.cpp     int8_linear(_tiled), int4_linear, int4_linear_dot
+    quant_linear.cpp     int8_linear, int8_linear_dot, int4_linear, int4_linear_dot
     attention_tiles.h    what both attention kernels share: scores, exp and sum, weighted V
     paged_attention.cpp  paged_attention
     flash_attention.cpp  flash_attention
@@ -24,16 +24,23 @@ applied once, to the finished sum; each thread prefetches its next block of code
 path is bound by its arithmetic, not by memory: with the codes in cache it multiplies only
 18-22 GB/s of them on this course's two cores. Where the CPU has AVX512-VNNI (`has_int8_dot`)
 x is held as int16 instead (`int8_x_as_int16`: one scale per 64 values of a row, each value
-within amax / 65534 of its own, finer than the bf16 rounding torch's kernels make), so one
-`vpmovsxbw` widens 32 codes and one `vpdpwssd` does 32 exact integer multiply-adds: 34-63 GB/s
-in cache, and a SmolLM2 step's int8 linears 1.28-1.33x faster at 1-2 rows, 1.6x at 4. There
-QuantLinear holds the codes in labkit's tiles (`int8_tiled_layout`, `int8_tiled_fits`) and
-calls **int8_linear_tiled**: the same sums, the same bits, but a block of 6 code rows is one run
-of bytes read front to back, where on rows it was 6 runs read 32 bytes at a time, K bytes
-apart. A version of the kernel whose inner loop only loaded the codes read no faster than the
-kernel itself: the order of the reads held it, not its arithmetic. With the tiles a step's
-int8 linears read at 0.91-1.05x a bare read of the same tensors, the whole forward
-1.085-1.153x faster.
+within amax / 65278 of its own, finer than the bf16 rounding torch's kernels make), so one
+`vpmovsxbw` widens 32 codes and one `vpdpwssd` does 32 exact integer multiply-adds; each
+block's integer sum is made fp32 and multiply-added into the output's sum, block after block.
+
+**int8_linear_dot** (built on CPUs with AVX512-VNNI): int8_linear's sums on `vpdpbusd`, which
+multiplies 64 unsigned bytes by 64 signed ones into 16 int32 lanes: twice the products of
+`vpdpwssd` an instruction, with no widening first. QuantLinear holds the codes in labkit's
+layout for it (`int8_dot_layout`, `int8_dot_fits`): each code as q + 128, an unsigned byte,
+16 output rows side by side (a lane a row), so each thread reads its equal run of blocks of
+16 rows front to back as one stream; x's int16 code is split into a high and a low signed
+byte (c = 256 h + l, which needs |c| <= 32639: hence those levels), and the 128 sum(c) that
+the codes' offset adds to a block's sum is taken off once a block. The same integers as
+int8_linear's, so the same bits. Against the tiles of 6 rows on `vpdpwssd` it replaced (on
+this course's VM, results/cpu-kernels-2026-12-06.md): a SmolLM2 step's int8 linears as fast
+at batch 1 where the memory is busy (both read at ~0.85x a bare read of the same bytes), 1.4x
+at 4 rows, 1.7-1.9x at 8 and 32, where both are bound by their dot products; one linear in
+cache at batch 1, 1.3-1.6x.
 
 **int4_linear**: the same for int4 codes with a bf16 scale and zero per group of K, in
 labkit's layout (`int4_layout`: 16 codes in 8 bytes, so one load, a mask and a shift give two
@@ -216,21 +223,23 @@ def _bf16_of(bits: torch.Tensor) -> torch.Tensor:
 
 
 INT8_X_BLOCK = 64  # int8_linear's integer dot product: one x scale per this many values
+INT8_X_LEVELS = 32639  # and x's codes within +-this (int8_linear_dot splits each in two int8)
 INT8_X_TINY = 1e-30  # a block whose largest |x| is below this is held as zeros (C++: kTinyX)
 
 
 def int8_x_as_int16(x: torch.Tensor, block: int = INT8_X_BLOCK) -> torch.Tensor:
-    """The x that `int8_linear` multiplies where the build has its integer dot product
-    (`has_int8_dot()`: AVX512-VNNI), as fp32: each block of `block` values of a row on the
-    nearest of 65,535 levels between -amax and amax (amax: the block's largest |x|; ties to
-    even), so each value moves at most amax / 65534. The kernel keeps the int16 codes and
-    applies the scale to each block's integer sum; the product is this x times the codes."""
+    """The x that `int8_linear` and `int8_linear_dot` multiply where the build has the integer
+    dot product (`has_int8_dot()`: AVX512-VNNI), as fp32: each block of `block` values of a row
+    on the nearest of 65,279 levels between -amax and amax (amax: the block's largest |x|; ties
+    to even), so each value moves at most amax / 65278. The kernels keep the int16 codes and
+    apply the scale to each block's integer sum; the product is this x times the codes."""
     def held(v: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-        # 32767 / amax as C++ divides (a Python number over a tensor is its reciprocal times
+        # 32639 / amax as C++ divides (a Python number over a tensor is its reciprocal times
         # the number in torch: another rounding)
-        inv = torch.where(amax > INT8_X_TINY, torch.full_like(amax, 32767.0).div(amax),
+        inv = torch.where(amax > INT8_X_TINY, torch.full_like(amax, INT8_X_LEVELS).div(amax),
                           torch.zeros_like(amax))
-        return torch.round(v * inv).clamp(-32768, 32767) * (amax / 32767.0)
+        return (torch.round(v * inv).clamp(-INT8_X_LEVELS, INT8_X_LEVELS)
+                * (amax / INT8_X_LEVELS))
 
     return _block_by_block(x, block, held)
 
@@ -248,34 +257,37 @@ def _block_by_block(x: torch.Tensor, block: int, held) -> torch.Tensor:
     return out
 
 
-INT8_TILE_ROWS, INT8_TILE_K = 6, 32  # int8_tiled_layout: 32 codes of 6 rows side by side
+INT8_DOT_ROWS, INT8_DOT_K = 16, 64  # int8_dot_layout: blocks of 16 rows, 64 k a run
 
 
-def int8_tiled_fits(k: int, scale: torch.Tensor) -> bool:
-    """Whether `int8_linear_tiled` can serve an int8 linear with K = `k`: the kernels are
-    built with the integer dot product (AVX512-VNNI), the scales are on the CPU, K is a
-    multiple of 32 (so the tiles alone give the codes back), and `LABKIT_INT8_TILES` is not 0
-    (0: int8_linear on the codes as they are, to compare the two)."""
-    return (os.environ.get("LABKIT_INT8_TILES", "1") != "0" and scale.device.type == "cpu"
-            and k % INT8_TILE_K == 0 and kernels() is not None and kernels().has_int8_dot())
+def int8_dot_fits(k: int, scale: torch.Tensor) -> bool:
+    """Whether `int8_linear_dot` can serve an int8 linear with K = `k`: the kernels are built
+    with the integer dot product (AVX512-VNNI), the scales are on the CPU, K is a multiple of
+    64 (so the layout alone gives the codes back), and `LABKIT_INT8_DOT` is not 0 (0:
+    int8_linear on the codes as they are, to compare the two)."""
+    return (os.environ.get("LABKIT_INT8_DOT", "1") != "0" and scale.device.type == "cpu"
+            and k % INT8_DOT_K == 0 and kernels() is not None and kernels().has_int8_dot())
 
 
-def int8_tiled_layout(codes: torch.Tensor) -> torch.Tensor:
-    """`int8_linear_tiled`'s codes from int8 codes [N, K]: tiles [ceil(N/6), ceil(K/32), 6,
-    32], tile [b, c] holding codes k = 32c .. 32c + 31 of rows 6b .. 6b + 5 (zeros past N and
-    K). The kernel multiplies 6 rows at a time, so it reads each block front to back."""
+def int8_dot_layout(codes: torch.Tensor) -> torch.Tensor:
+    """`int8_linear_dot`'s codes from int8 codes [N, K]: uint8 [ceil(N/16), ceil(K/64), 1024],
+    block [b, c] holding q + 128 for rows 16b .. 16b + 15 and k = 64c .. 64c + 63 as 16 runs of
+    64 bytes, run u the codes k = 64c + 4u .. 64c + 4u + 3 of each of the 16 rows in turn (a
+    vector lane a row). Past N and K the codes are 0 (held as 128)."""
     n, k = codes.shape
-    rows, cols = -n % INT8_TILE_ROWS, -k % INT8_TILE_K
-    padded = torch.nn.functional.pad(codes, (0, cols, 0, rows))  # [Np, Kp]
-    return (padded.reshape(-1, INT8_TILE_ROWS, (k + cols) // INT8_TILE_K, INT8_TILE_K)
-            .transpose(1, 2).contiguous())
+    padded = torch.nn.functional.pad(codes, (0, -k % INT8_DOT_K, 0, -n % INT8_DOT_ROWS))
+    held = (padded.to(torch.int16) + 128).to(torch.uint8)  # [Np, Kp]
+    nb, kb = held.shape[0] // INT8_DOT_ROWS, held.shape[1] // INT8_DOT_K
+    return (held.reshape(nb, INT8_DOT_ROWS, kb, INT8_DOT_K // 4, 4).permute(0, 2, 3, 1, 4)
+            .reshape(nb, kb, INT8_DOT_ROWS * INT8_DOT_K).contiguous())
 
 
-def int8_tiled_codes(tiles: torch.Tensor, n: int, k: int | None = None) -> torch.Tensor:
-    """The inverse of `int8_tiled_layout`: the codes [n, k] (k: all the tiles hold)."""
-    nb, kc = tiles.shape[:2]
-    codes = tiles.transpose(1, 2).reshape(nb * INT8_TILE_ROWS, kc * INT8_TILE_K)
-    return codes[:n, :k].contiguous()
+def int8_dot_codes(packed: torch.Tensor, n: int, k: int | None = None) -> torch.Tensor:
+    """The inverse of `int8_dot_layout`: the codes [n, k] (k: all the layout holds)."""
+    nb, kb = packed.shape[:2]
+    held = (packed.reshape(nb, kb, INT8_DOT_K // 4, INT8_DOT_ROWS, 4).permute(0, 3, 1, 2, 4)
+            .reshape(nb * INT8_DOT_ROWS, kb * INT8_DOT_K))
+    return (held[:n, :k].to(torch.int16) - 128).to(torch.int8)
 
 
 def int4_dot_fits(n: int, k: int, group_size: int, scale: torch.Tensor,

@@ -16,7 +16,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // one linear of a layer: how its weights are stored decides the call
-enum LinearKind : int64_t { kFp32 = 0, kInt8 = 1, kInt4 = 2, kInt4Dot = 3, kInt8Tiled = 4 };
+enum LinearKind : int64_t { kFp32 = 0, kInt8 = 1, kInt4 = 2, kInt4Dot = 3, kInt8Dot = 4 };
 
 struct Linear {
   int64_t kind = -1;  // -1: absent (the fused or the unfused form holds it)
@@ -49,7 +49,7 @@ at::Tensor apply_linear(const Linear& lin, const at::Tensor& x_in) {
       y = fp32_linear(x, lin.a);
       break;
     case kInt8: y = int8_linear(x, lin.a, lin.b); break;
-    case kInt8Tiled: y = int8_linear_tiled(x, lin.a, lin.b); break;
+    case kInt8Dot: y = int8_linear_dot(x, lin.a, lin.b); break;
     case kInt4: y = int4_linear(x, lin.a, lin.b); break;
     case kInt4Dot: y = int4_linear_dot(x, lin.a); break;
     default: TORCH_CHECK(false, "DecoderStack: a linear of unknown kind ", lin.kind);

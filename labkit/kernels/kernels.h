@@ -9,7 +9,7 @@
 constexpr int64_t kFp32KernelRows = 32;
 at::Tensor fp32_linear(at::Tensor x, at::Tensor w);
 at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor s);
-at::Tensor int8_linear_tiled(at::Tensor x, at::Tensor tiles, at::Tensor s);
+at::Tensor int8_linear_dot(at::Tensor x, at::Tensor packed, at::Tensor s);
 at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz);
 at::Tensor int4_linear_dot(at::Tensor x, at::Tensor packed);
 bool has_int4_dot();

@@ -39,7 +39,7 @@ torch.nn.modules.module.register_module_module_registration_hook(_count_edit)
 _state = {"enabled": os.environ.get("LABKIT_DECODER_STACK", "1") != "0", "profile": False,
           "kernel_s": 0.0}
 _KINDS = {"int8_linear": 1, "int4_linear": 2, "int4_linear_dot": 3,  # decoder_stack.cpp
-          "int8_linear_tiled": 4}
+          "int8_linear_dot": 4}
 _LINEARS = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj",
             "up_proj", "down_proj")
 _NONE = torch.empty(0)
