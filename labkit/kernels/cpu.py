@@ -40,7 +40,7 @@ int8_linear's, so the same bits. Against the tiles of 6 rows on `vpdpwssd` it re
 this course's VM, results/cpu-kernels-2026-12-06.md): a SmolLM2 step's int8 linears as fast
 at batch 1 where the memory is busy (both read at ~0.85x a bare read of the same bytes), 1.4x
 at 4 rows, 1.7-1.9x at 8 and 32, where both are bound by their dot products; one linear in
-cache at batch 1, 1.3-1.6x.
+cache at batch 1, 1.3-1.5x.
 
 **int4_linear**: the same for int4 codes with a bf16 scale and zero per group of K, in
 labkit's layout (`int4_layout`: 16 codes in 8 bytes, so one load, a mask and a shift give two

@@ -292,7 +292,7 @@ static void int8_into(const float* xp, const int8_t* qp, const float* sp, float*
 // step's int8 linears, in one process against int8_linear_tiled (vpdpwssd on tiles of 6 rows)
 // on the same codes, 1.00-1.04x at batch 1 where the memory is busy (both read at ~0.85x the
 // probe), 1.4x at 4 rows, 1.7-1.9x at 8 and 32 (bound by their dot products there); a single
-// linear in cache at batch 1 1.3-1.6x.
+// linear in cache at batch 1 1.3-1.5x.
 
 // x's rows for int8_linear_dot: their codes' high and low bytes (h, l: ldx words a row, zeros
 // past K), and for each block its scale (s) and 128 times its codes' sum (corr)
