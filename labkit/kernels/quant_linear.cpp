@@ -346,9 +346,17 @@ static inline __m512i dpbusd(__m512i acc, __m512i u, const int32_t* p) {
   return acc;
 }
 
-// How far ahead of its reads a thread asks for the codes it reads next (one stream a thread,
-// as int4_linear_dot's kDotAhead)
+// How far ahead of its reads a thread asks for the codes it reads next, where x has more than
+// kDot8AskFrom rows. At one or two rows it asks for nothing: in one stream a thread the CPU's
+// own prefetcher keeps up, and the requests got in its way. Measured
+// (results/cpu-kernels-2026-12-06.md): one 226 MB call at one row asking 6 KiB ahead read at
+// 0.65-0.77x the read probe where the memory was quiet (DRAM 55-63 GB/s) and 0.81-1.00x where
+// busy; asking for nothing 0.95-1.1x and 0.95-1.04x (12 and 24 KiB ahead, or into L1, no better
+// than 6). A SmolLM2 step's int8 linears asking for nothing: 1.07x at 1 row (1.01-1.12x over 30
+// runs, busy) and 1.36x where quiet (48.2 GB/s against 35.0); at 2 rows 1.03-1.08x (busy), but
+// 0.70x at 4 rows and 0.90x at 32, where each load feeds 8 or more dot products.
 static constexpr int64_t kDot8Ahead = 6144;
+static constexpr int64_t kDot8AskFrom = 2;
 
 // RM rows of x (from m0) against one block of 16 output rows w [ceil(K / 64), 16, 16, 4]: y
 // [RM, 16] (ldy apart; rn of them real), each times its row's scale rs. Asks for what lies
@@ -431,8 +439,10 @@ at::Tensor int8_linear_dot(at::Tensor x, at::Tensor packed, at::Tensor s) {
         const int64_t rn = std::min<int64_t>(16, N - 16 * b);
         const float* rs = sp + 16 * b;
         for (int64_t m = 0; m < M; m += 4) {
-          // the block's first pass asks for what lies ahead; the rest read it from cache
-          const char* a = m == 0 ? reinterpret_cast<const char*>(w) + kDot8Ahead : nullptr;
+          // the block's first pass asks for what lies ahead (many rows); the rest find it in
+          // cache
+          const char* a = m == 0 && M > kDot8AskFrom
+                              ? reinterpret_cast<const char*>(w) + kDot8Ahead : nullptr;
           float* yb = yp + m * N + 16 * b;
           switch (std::min<int64_t>(4, M - m)) {
             case 4: dot8_block<4>(xc, m, w, yb, N, rs, rn, a); break;
