@@ -42,22 +42,14 @@ def tiles_of(codes: torch.Tensor) -> torch.Tensor:
     return padded.reshape(-1, 6, padded.shape[1] // 32, 32).transpose(1, 2).contiguous()
 
 
-def placed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of `tensors` one after the other in one buffer on 2 MiB pages."""
-    from labkit.utils import pages
-
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    buf, out, o = pages.empty(sum(-(-n // 4096) * 4096 for n in sizes)), [], 0
-    for t, n in zip(tensors, sizes):
-        out.append(buf[o:o + n].view(t.dtype).view(t.shape).copy_(t))
-        o += -(-n // 4096) * 4096
-    return out
-
-
 def linears(rows: list[int], turns: int, against: str | None, tmp: Path) -> None:
     from labkit.bench import linear_rate
     from labkit.kernels import cpu as cpu_kernels
     from labkit.loading import load_model
+    from labkit.utils.pages import copied_together
+
+    def placed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return copied_together(tensors)[1]  # (the copies keep their buffer alive)
 
     mod = cpu_kernels.kernels()
     model, _ = load_model("smollm2-135m", quant="int8")

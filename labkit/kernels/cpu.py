@@ -37,10 +37,12 @@ layout for it (`int8_dot_layout`, `int8_dot_fits`): each code as q + 128, an uns
 byte (c = 256 h + l, which needs |c| <= 32639: hence those levels), and the 128 sum(c) that
 the codes' offset adds to a block's sum is taken off once a block. The same integers as
 int8_linear's, so the same bits. Against the tiles of 6 rows on `vpdpwssd` it replaced (on
-this course's VM, results/cpu-kernels-2026-12-06.md): a SmolLM2 step's int8 linears as fast
-at batch 1 where the memory is busy (both read at ~0.85x a bare read of the same bytes), 1.4x
-at 4 rows, 1.7-1.9x at 8 and 32, where both are bound by their dot products; one linear in
-cache at batch 1, 1.3-1.5x.
+this course's VM, results/cpu-kernels-2026-12-06.md; both asking ahead for their codes): a
+SmolLM2 step's int8 linears as fast at batch 1 where the memory is busy (both read at ~0.85x a
+bare read of the same bytes), 1.4x at 4 rows, 1.7-1.9x at 8 and 32, where both are bound by
+their dot products; one linear in cache at batch 1, 1.3-1.5x. At one or two rows it asks for
+nothing ahead: in one stream a thread the CPU's own prefetcher keeps up, and the requests got in
+its way (a step's int8 linears 1.07x where the memory is busy, 1.36x where quiet).
 
 **int4_linear**: the same for int4 codes with a bf16 scale and zero per group of K, in
 labkit's layout (`int4_layout`: 16 codes in 8 bytes, so one load, a mask and a shift give two
@@ -299,7 +301,7 @@ def int4_dot_fits(n: int, k: int, group_size: int, scale: torch.Tensor,
             and int4_fits(k, group_size, scale, zero) and kernels().has_int4_dot())
 
 
-INT4_X_LEVELS = 32639  # int4_linear_dot: x codes within +-this (a code's high byte is int8)
+INT4_X_LEVELS = INT8_X_LEVELS  # int4_linear_dot's x codes too (a code's high byte is int8)
 
 
 def int4_x_scale(amax: torch.Tensor) -> torch.Tensor:

@@ -138,8 +138,9 @@ static void rows(const float* x, int64_t M, int64_t K, const W* w, float* y, int
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 static constexpr bool kInt8Dot = true;
 static constexpr int64_t kXBlock = 64;
-// x's codes within +-this: a code's high byte (q + 128) >> 8 is then an int8 (int8_linear_dot)
-static constexpr float kX8Levels = 32639.f;
+// x's codes within +-this (int8's and int4's integer dot products alike): a code c is then
+// 256 h + l with both bytes int8, h = (c + 128) >> 8 <= 127 (split_codes)
+static constexpr float kXLevels = 32639.f;
 // a block whose largest |x| is below this is held as zeros (32639 / amax would overflow
 // to inf near FLT_MIN, and inf times x would turn into codes -2^31); each value moves
 // by less than 1e-30
@@ -149,7 +150,7 @@ static constexpr float kTinyX = 1e-30f;
 // makes its scale NaN, so the outputs it reaches are NaN, as an fp32 product's would be; its
 // codes are held in range)
 static void x_to_int16(const float* x, int64_t K, int16_t* q, float* s) {
-  const __m512i lim = _mm512_set1_epi32((int)kX8Levels);
+  const __m512i lim = _mm512_set1_epi32((int)kXLevels);
   for (int64_t k0 = 0; k0 < K; k0 += kXBlock) {
     const int64_t n = std::min<int64_t>(kXBlock, K - k0);
     __m512 v[4];
@@ -164,8 +165,8 @@ static void x_to_int16(const float* x, int64_t K, int16_t* q, float* s) {
       nan |= _mm512_cmp_ps_mask(v[u], v[u], _CMP_UNORD_Q);
     }
     const float amax = nan ? NAN : _mm512_reduce_max_ps(m);
-    const float inv = amax > kTinyX ? kX8Levels / amax : 0.f;
-    s[k0 / kXBlock] = amax / kX8Levels;
+    const float inv = amax > kTinyX ? kXLevels / amax : 0.f;
+    s[k0 / kXBlock] = amax / kXLevels;
     for (int u = 0; u < 4; ++u) {  // rounded to nearest, ties to even (as std::nearbyint)
       __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[u], _mm512_set1_ps(inv)));
       c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_sub_epi32(_mm512_setzero_si512(), lim)),
@@ -173,6 +174,15 @@ static void x_to_int16(const float* x, int64_t K, int16_t* q, float* s) {
       _mm256_mask_storeu_epi16(q + k0 + 16 * u, in[u], _mm512_cvtepi32_epi16(c));
     }
   }
+}
+
+// 16 codes c (|c| <= kXLevels, int32 lanes) as their high and low bytes, c = 256 h + l, both
+// int8: what vpdpbusd multiplies (one of its operands must be bytes)
+static inline void split_codes(__m512i c, int8_t* h, int8_t* l) {
+  const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(128)), 8);
+  const __m512i lo = _mm512_sub_epi32(c, _mm512_slli_epi32(hi, 8));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(h), _mm512_cvtepi32_epi8(hi));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(l), _mm512_cvtepi32_epi8(lo));
 }
 
 // rows of x as int16 codes (x_to_int16, the rows spread over the threads where there are many):
@@ -290,9 +300,10 @@ static void int8_into(const float* xp, const int8_t* qp, const float* sp, float*
 // the 128 sum(c) it carries beyond sum(c q) is taken off once a block. The same integers as
 // int8_linear's, so the same bits. Measured (results/cpu-kernels-2026-12-06.md): a SmolLM2
 // step's int8 linears, in one process against int8_linear_tiled (vpdpwssd on tiles of 6 rows)
-// on the same codes, 1.00-1.04x at batch 1 where the memory is busy (both read at ~0.85x the
-// probe), 1.4x at 4 rows, 1.7-1.9x at 8 and 32 (bound by their dot products there); a single
-// linear in cache at batch 1 1.3-1.5x.
+// on the same codes, both asking ahead at every row count: 1.00-1.04x at batch 1 where the
+// memory is busy (both read at ~0.85x the probe), 1.4x at 4 rows, 1.7-1.9x at 8 and 32 (bound
+// by their dot products there); a single linear in cache at batch 1 1.3-1.5x. At one or two
+// rows it now asks for nothing ahead (kDot8AskFrom).
 
 // x's rows for int8_linear_dot: their codes' high and low bytes (h, l: ldx words a row, zeros
 // past K), and for each block its scale (s) and 128 times its codes' sum (corr)
@@ -318,10 +329,7 @@ struct X8Codes {
         for (int64_t k = c * kXBlock; k < (c + 1) * kXBlock; k += 16) {
           const __m512i v = _mm512_cvtepi16_epi32(
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.data() + k)));
-          const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(128)), 8);
-          const __m512i lo = _mm512_sub_epi32(v, _mm512_slli_epi32(hi, 8));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(hb + k), _mm512_cvtepi32_epi8(hi));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(lb + k), _mm512_cvtepi32_epi8(lo));
+          split_codes(v, hb + k, lb + k);
           sum = _mm512_add_epi32(sum, v);
         }
         corr[m * nb + c] = 128 * _mm512_reduce_add_epi32(sum);  // |corr| < 2^28
@@ -391,7 +399,10 @@ static inline void dot8_block(const X8Codes& xc, int64_t m0, const uint8_t* w, f
     }
     for (int i = 0; i < RM; ++i) {
       __m512i hs = dh[i][0], ls = dl[i][0];
-      for (int e = 1; e < CH; ++e) hs = _mm512_add_epi32(hs, dh[i][e]), ls = _mm512_add_epi32(ls, dl[i][e]);
+      for (int e = 1; e < CH; ++e) {
+        hs = _mm512_add_epi32(hs, dh[i][e]);
+        ls = _mm512_add_epi32(ls, dl[i][e]);
+      }
       // 256 |hs| < 2^30, |ls| < 2^22, |corr| < 2^28: exact
       const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hs, 8), ls),
                                          _mm512_set1_epi32(xc.corr[(m0 + i) * nb + c]));
@@ -841,7 +852,6 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor codes, at::Tensor sz) {
 // 0.92x, seven runs beside this layout in one process, results/cpu-kernels-2026-12-05j.md).
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 static constexpr bool kInt4Dot = true;
-static constexpr float kX4Levels = 32639.f;  // |code| <= this: its high byte (q + 128) >> 8 <= 127
 
 // a group of x's scale: the least power of two sc with amax / sc <= 32639 (codes times it are
 // exact fp32 values, and so are its products with the weights' bf16 scales); 0 below kTinyX
@@ -850,10 +860,10 @@ static inline float x4_scale(float amax) {
   if (std::isnan(amax) || std::isinf(amax)) return amax;
   if (!(amax > kTinyX)) return 0.f;
   int ex;
-  std::frexp(amax / kX4Levels, &ex);  // an estimate: the division rounds
+  std::frexp(amax / kXLevels, &ex);  // an estimate: the division rounds
   float sc = std::ldexp(1.f, ex);
-  if (amax / (0.5f * sc) <= kX4Levels) sc *= 0.5f;  // (exact divisions: powers of two)
-  if (amax / sc > kX4Levels) sc *= 2.f;
+  if (amax / (0.5f * sc) <= kXLevels) sc *= 0.5f;  // (exact divisions: powers of two)
+  if (amax / sc > kXLevels) sc *= 2.f;
   return sc;
 }
 
@@ -875,10 +885,7 @@ static void x_to_int4dot(const float* x, int64_t K, int64_t G, int8_t* h, int8_t
     for (int64_t k = k0; k < k0 + G; k += 16) {  // nearest level, ties to even (x * inv exact)
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k),
                                                          _mm512_set1_ps(inv)));
-      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
-      const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(h + k), _mm512_cvtepi32_epi8(hi));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(l + k), _mm512_cvtepi32_epi8(lo));
+      split_codes(q, h + k, l + k);
       qsum = _mm512_add_epi32(qsum, q);
     }
     sx[k0 / G] = sc;
@@ -892,7 +899,9 @@ static void x_to_int4dot(const float* x, int64_t K, int64_t G, int8_t* h, int8_t
 // time there): 6 and 8 KiB ahead the fastest, 2 KiB 0.76x of them, 9-20 KiB 0.89-0.97x;
 // asking for nothing 0.98-1.00x (in one stream the CPU's own prefetcher keeps up, where with
 // four a thread it had read at 0.58-0.65x). Where it was quiet (56-70 GB/s), 12 KiB read
-// 1.03-1.14x as fast as 6 KiB.
+// 1.03-1.14x as fast as 6 KiB. Asking for nothing, measured again over 30 runs busy and quiet
+// (results/cpu-kernels-2026-12-06.md): 0.89-1.02x, median 0.955x (int8_linear_dot, half the
+// arithmetic a byte, asks for nothing at one or two rows).
 static constexpr int64_t kDotAhead = 6144;
 
 // RM rows of x against RB blocks of 16 output rows (RB 2: the two of a pair, whose codes for a

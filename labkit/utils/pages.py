@@ -196,6 +196,22 @@ def placement(model: torch.nn.Module) -> dict:
             "huge_bytes": sum(min(b, kb * 1024) for b, kb in per_map.values())}
 
 
+def copied_together(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Copies of `tensors`, one after the other (each ALIGN-aligned) in one buffer from
+    `empty`: (the buffer, the copies). What `place_weights` does to a model's weights, for
+    tensors a benchmark wants where a step would find them."""
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end += -(-size(t) // ALIGN) * ALIGN
+    buf = empty(end)
+    with torch.no_grad():
+        copies = [buf[off:off + size(t)].view(t.dtype).view(t.shape).copy_(t)
+                  for t, off in zip(tensors, offsets)]
+    return buf, copies
+
+
 def place_weights(model: torch.nn.Module, min_bytes: int | None = None) -> dict:
     """Copy `model`'s CPU parameters and buffers into buffers from `empty`, in the model's
     order, and point the model at the copies: one buffer for all but the largest tensors (LARGE
@@ -227,20 +243,14 @@ def place_weights(model: torch.nn.Module, min_bytes: int | None = None) -> dict:
     groups.append([t for t in todo if size(t) < LARGE])
     copies: dict[int, torch.Tensor] = {}
     for group in groups:
-        offsets, end = [], 0
-        for t in group:
-            offsets.append(end)
-            end += -(-size(t) // ALIGN) * ALIGN
         if not group:
             continue
-        buf, key = empty(end), next(_KEYS)
-        _SPANS[key] = (buf.data_ptr(), buf.data_ptr() + end, sum(size(t) for t in group))
-        with torch.no_grad():
-            for t, off in zip(group, offsets):
-                c = buf[off:off + size(t)].view(t.dtype).view(t.shape)
-                c.copy_(t)
-                c._labkit_placed = key
-                copies[id(t)] = c
+        buf, placed = copied_together(group)
+        key = next(_KEYS)
+        _SPANS[key] = (buf.data_ptr(), buf.data_ptr() + buf.numel(), sum(size(t) for t in group))
+        for t, c in zip(group, placed):
+            c._labkit_placed = key
+            copies[id(t)] = c
     for mod in model.modules():
         for name, t in list(mod._parameters.items()):
             if t is None or id(t) not in copies:
