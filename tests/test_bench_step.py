@@ -22,6 +22,13 @@ def test_a_quantized_step_times_its_fused_projections(capsys):
                                           "--steps", "2", "--quant", "int8", "--json"], capsys)
     phases = rows[0]["phases_ms"]
     assert phases["qkvo proj"] > 0 and phases["mlp"] > 0 and phases["head"] > 0
+    # the C++ forward's kernels by kind: each ran, and together they are its kernels' time
+    split = rows[0]["forward_split"]
+    if split["stack_served"]:
+        kinds = split["kernels_by_kind_ms"]
+        assert set(kinds) == {"linears", "attention", "row ops"}
+        assert all(ms > 0 for ms in kinds.values()), kinds
+        assert sum(kinds.values()) <= split["kernels_ms"] * 1.5  # medians of separate sums
 
 
 def test_bad_batch_exits_2(capsys, monkeypatch):

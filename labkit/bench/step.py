@@ -10,7 +10,9 @@ Then the bare forward split: its layers as one C++ call (`labkit.kernels.stack`,
 where labkit's kernels serve) against the Python layers, in alternating turns, and how much of
 the C++ forward is spent in kernels (timed inside the stack, the final norm and the head
 among them where the whole forward is one call) and how much between them (RoPE's rows, the
-one call).
+one call); and the kernels' time by kind: the linears (the head among them), attention (with
+its KV write) and the row ops (norms, residual adds, RoPE, SiLU times up). Where the linears
+read at the memory's speed, what is left of a forward is mostly the other two.
 
 Then a per-phase table (of the Python layers) from timed sections of profiled steps: the bench
 wraps the engine's, the runner's and the model's pieces on *this engine instance* with timers
@@ -164,6 +166,7 @@ def forward_split(model, batch: int, context: int, steps: int) -> dict:
                     step()
                     times[name].append(time.perf_counter() - t0)
         kernels, between, share = [], [], []  # each profiled forward against its own kernels
+        kinds: dict[str, list[float]] = {k: [] for k in decoder_stack.SPLIT}
         head = _Timers()
         head.on = True
         for _ in range(steps):
@@ -176,12 +179,15 @@ def forward_split(model, batch: int, context: int, steps: int) -> dict:
             # is one C++ call, `for_logits`), plus the head where Python called it
             inside = prof["kernel_s"] + head.s.get("head", 0.0)
             kernels.append(inside)
+            for k, sec in prof["split"].items():
+                kinds[k].append(sec + (head.s.get("head", 0.0) if k == "linears" else 0.0))
             between.append(max(wall - inside, 0.0))
             share.append(between[-1] / wall)
     fwd = statistics.median(times["stack"])
     return {"stack_served": served, "forward_ms": fwd * 1e3,
             "python_layers_ms": statistics.median(times["python"]) * 1e3,
             "kernels_ms": statistics.median(kernels) * 1e3,
+            "kernels_by_kind_ms": {k: statistics.median(v) * 1e3 for k, v in kinds.items()},
             "between_ms": statistics.median(between) * 1e3,
             "between_share": statistics.median(share)}
 
@@ -289,6 +295,10 @@ def _table(rows: list[dict]) -> None:
         print(f"{label:<24}" + "".join(f"{r['forward_split'][key]:>12.2f}" for r in rows))
     print(f"{'  between / forward':<24}" + "".join(
         f"{100 * r['forward_split']['between_share']:>11.1f}%" for r in rows))
+    print("the C++ forward's kernels by kind (ms; row ops: norms, residual adds, RoPE, SiLU*up):")
+    for kind in rows[0]["forward_split"]["kernels_by_kind_ms"]:
+        print(f"{'  ' + kind:<24}" + "".join(
+            f"{r['forward_split']['kernels_by_kind_ms'][kind]:>12.2f}" for r in rows))
     if not all(r["forward_split"]["stack_served"] for r in rows):
         print("(the C++ layers did not serve this model here: both rows ran the Python layers)")
     from labkit.bench.linear_rate import format_dram, format_rates

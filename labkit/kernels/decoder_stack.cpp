@@ -144,13 +144,16 @@ class DecoderStack {
                 ctx_slots, block_tables, block_size, tile, q_index, query_lens, positions,
                 profile);  // (forward zeroes the kernel time: what follows adds to it)
     if (rows) x = x.index({*rows});  // what x[logit_rows] does (negative rows, masks)
-    at::Tensor h = timed([&] { return rms_norm(x, final_norm_, eps_); });
+    at::Tensor h = timed(kRowOp, [&] { return rms_norm(x, final_norm_, eps_); });
     return linear(head_, h);
   }
 
-  // Seconds the last `forward` spent inside kernels and aten calls (with `profile`), so that
-  // forward time minus this is what remains between them.
+  // Seconds the last `forward` (or `logits`) spent inside kernels and aten calls (with
+  // `profile`), so that forward time minus this is what remains between them; and the same
+  // seconds by kind: the linears (the head among them), attention (with its KV write), the
+  // small row ops (norms, residual adds, RoPE, SiLU times up).
   double kernel_seconds() const { return kernel_s_; }
+  std::vector<double> kernel_split() const { return {split_[0], split_[1], split_[2]}; }
 
   // x [T, d] (the embedded tokens), cos/sin [T, 1, D]; attention: 0 paged (ctx_slots), 1
   // flash (block_tables, block_size, tile); k_layers, v_layers: each layer's pool views
@@ -164,20 +167,21 @@ class DecoderStack {
                 "DecoderStack.forward: one K and one V pool per layer");
     TORCH_CHECK(attention == 0 || attention == 1, "DecoderStack.forward: attention 0 or 1");
     kernel_s_ = 0.0;
+    split_[kLinear] = split_[kAttention] = split_[kRowOp] = 0.0;
     profile_ = profile;
     const int64_t t = x.size(0);
     const double scale = 1.0 / std::sqrt((double)D_);
     at::Tensor h;  // the next layer's normed input, where the add before it made it
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      if (i == 0) h = timed([&] { return rms_norm(x, l.input_norm, eps_); });
+      if (i == 0) h = timed(kRowOp, [&] { return rms_norm(x, l.input_norm, eps_); });
       // q, k, v, gate and up may be windows into qkv, qk and gu (not owning their memory):
       // those three live until the layer's end
       at::Tensor q, k, v, qkv, qk, gu;
       if (l.qkv.kind >= 0) {  // fused: one call, and one RoPE for q and k together
         qkv = linear(l.qkv, h);  // [t, (H + 2 Hkv) D]: rows of q | k | v heads
         const int64_t row = (H_ + 2 * Hkv_) * D_;
-        qk = timed([&] {
+        qk = timed(kRowOp, [&] {
           return rope(window(qkv, 0, {t, H_ + Hkv_, D_}, {row, D_, 1}), cos, sin);
         });  // [t, H + Hkv, D], contiguous
         const int64_t qk_row = (H_ + Hkv_) * D_;
@@ -188,10 +192,10 @@ class DecoderStack {
         q = linear(l.q, h).view({t, H_, D_});
         k = linear(l.k, h).view({t, Hkv_, D_});
         v = linear(l.v, h).view({t, Hkv_, D_});
-        q = timed([&] { return rope(q, cos, sin); });
-        k = timed([&] { return rope(k, cos, sin); });
+        q = timed(kRowOp, [&] { return rope(q, cos, sin); });
+        k = timed(kRowOp, [&] { return rope(k, cos, sin); });
       }
-      at::Tensor o = timed([&] {
+      at::Tensor o = timed(kAttention, [&] {
         return attention == 0
                    ? paged_attention(q, k, v, write_slots, k_layers[i], v_layers[i], ctx_slots,
                                      q_index, query_lens, positions, scale)
@@ -201,7 +205,9 @@ class DecoderStack {
       });
       at::Tensor proj = linear(l.o, window(o, 0, {t, H_ * D_}, {H_ * D_, 1}));  // o: contiguous
       // x + proj (a new x: the embedding is not ours to change), and its norm, in one call
-      std::tie(x, h) = timed([&] { return add_rms_norm(x, proj, l.post_norm, eps_, false); });
+      std::tie(x, h) = timed(kRowOp, [&] {
+        return add_rms_norm(x, proj, l.post_norm, eps_, false);
+      });
       at::Tensor gate, up;
       if (l.gate_up.kind >= 0) {
         gu = linear(l.gate_up, h);  // [T, 2F]: two slices
@@ -211,30 +217,36 @@ class DecoderStack {
         gate = linear(l.gate, h);
         up = linear(l.up, h);
       }
-      at::Tensor act = timed([&] { return silu_mul(gate, up); });
+      at::Tensor act = timed(kRowOp, [&] { return silu_mul(gate, up); });
       at::Tensor down = linear(l.down, act);
       if (i + 1 < layers_.size()) {  // x += down, and the next layer's input norm
         const at::Tensor& next_norm = layers_[i + 1].input_norm;
-        std::tie(x, h) = timed([&] { return add_rms_norm(x, down, next_norm, eps_, true); });
+        std::tie(x, h) = timed(kRowOp, [&] {
+          return add_rms_norm(x, down, next_norm, eps_, true);
+        });
       } else {
-        timed([&] { return x.add_(down); });
+        timed(kRowOp, [&] { return x.add_(down); });
       }
     }
     return x;
   }
 
  private:
+  enum Kind { kLinear = 0, kAttention = 1, kRowOp = 2 };  // kernel_split's order
+
   template <typename Fn>
-  auto timed(Fn&& fn) -> decltype(fn()) {  // a tensor, or add_rms_norm's two
+  auto timed(Kind kind, Fn&& fn) -> decltype(fn()) {  // a tensor, or add_rms_norm's two
     if (!profile_) return fn();
     const auto t0 = Clock::now();
     auto out = fn();
-    kernel_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    kernel_s_ += s;
+    split_[kind] += s;
     return out;
   }
 
   at::Tensor linear(const Linear& lin, const at::Tensor& x) {
-    return timed([&] { return apply_linear(lin, x); });
+    return timed(kLinear, [&] { return apply_linear(lin, x); });
   }
 
   int64_t H_, Hkv_, D_, F_;
@@ -245,6 +257,7 @@ class DecoderStack {
   bool has_ends_ = false;
   bool profile_ = false;
   double kernel_s_ = 0.0;
+  double split_[3] = {0.0, 0.0, 0.0};
 };
 
 void bind_decoder_stack(pybind11::module& m) {
@@ -256,6 +269,7 @@ void bind_decoder_stack(pybind11::module& m) {
       .def("has_ends", &DecoderStack::has_ends)
       .def("logits", &DecoderStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("kernel_seconds", &DecoderStack::kernel_seconds)
+      .def("kernel_split", &DecoderStack::kernel_split)
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear_pass", &linear_pass, "passes over linears (kind, x, a, b) called from C++, as "
         "DecoderStack calls them", pybind11::call_guard<pybind11::gil_scoped_release>());

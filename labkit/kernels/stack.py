@@ -37,7 +37,8 @@ def _count_edit(module, name, submodule) -> None:
 
 torch.nn.modules.module.register_module_module_registration_hook(_count_edit)
 _state = {"enabled": os.environ.get("LABKIT_DECODER_STACK", "1") != "0", "profile": False,
-          "kernel_s": 0.0}
+          "kernel_s": 0.0, "split": [0.0, 0.0, 0.0]}
+SPLIT = ("linears", "attention", "row ops")  # DecoderStack.kernel_split's kinds, in its order
 _KINDS = {"int8_linear": 1, "int4_linear": 2, "int4_linear_dot": 3,  # decoder_stack.cpp
           "int8_linear_dot": 4}
 _LINEARS = ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "gate_proj",
@@ -148,7 +149,7 @@ def for_step(model, x: torch.Tensor, attn) -> Callable | None:
         profile = _state["profile"]
         out = stack.forward(x, cos, sin, *args, profile)
         if profile:
-            _state["kernel_s"] += stack.kernel_seconds()
+            _count(stack)
         return out
 
     return run
@@ -175,20 +176,29 @@ def for_logits(model, attn) -> Callable | None:
         profile = _state["profile"]
         out = stack.logits(ids, cos, sin, *args, rows, profile)
         if profile:
-            _state["kernel_s"] += stack.kernel_seconds()
+            _count(stack)
         return out
 
     return run
+
+
+def _count(stack) -> None:
+    """Adds the last stack call's kernel seconds (in all, and by kind) to the profile's."""
+    _state["kernel_s"] += stack.kernel_seconds()
+    _state["split"] = [a + b for a, b in zip(_state["split"], stack.kernel_split())]
 
 
 @contextlib.contextmanager
 def profiling() -> Iterator[dict]:
     """Time the kernels inside every stack call of the block: yields a dict whose "kernel_s"
     holds, after the block, the seconds they took (the rest of a forward is what ran between
-    them)."""
-    out = {"kernel_s": 0.0}
-    _state["profile"], _state["kernel_s"] = True, 0.0
+    them), and whose "split" holds those seconds by kind ({name in SPLIT: seconds}: the
+    linears, the head among them; attention, with its KV write; the row ops: norms, residual
+    adds, RoPE, SiLU times up)."""
+    out = {"kernel_s": 0.0, "split": dict.fromkeys(SPLIT, 0.0)}
+    _state["profile"], _state["kernel_s"], _state["split"] = True, 0.0, [0.0] * len(SPLIT)
     try:
         yield out
     finally:
         out["kernel_s"], _state["profile"] = _state["kernel_s"], False
+        out["split"] = dict(zip(SPLIT, _state["split"]))
