@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from labkit import model as model_mod
-from labkit.attention import AttentionMeta, NaiveAttention, PagedAttention
+from labkit.attention import (
+    AttentionMeta,
+    FlashAttention,
+    FlashMeta,
+    NaiveAttention,
+    PagedAttention,
+)
 from labkit.kernels import cpu as cpu_kernels
 from labkit.model import ModelConfig, linear
 from labkit.paged_kv import PagedKVCache
@@ -494,8 +500,9 @@ def test_the_kernel_can_be_turned_off(monkeypatch):
 
 # ---- paged_attention ------------------------------------------------------------------------
 
-def _pool_step(cfg, starts, qlens, block=4, seed=0):
-    """A pool holding each sequence's cached context on scattered pages, and a step's inputs."""
+def _pool_step(cfg, starts, qlens, block=4, seed=0, meta_type=AttentionMeta):
+    """A pool holding each sequence's cached context on scattered pages, and a step's inputs
+    (its metadata a `meta_type`: AttentionMeta, or FlashMeta for FlashAttention)."""
     gen = torch.Generator().manual_seed(seed)
     pages = [-(-(s + q) // block) for s, q in zip(starts, qlens)]
     perm = torch.randperm(sum(pages) + 3, generator=gen).tolist()
@@ -511,8 +518,8 @@ def _pool_step(cfg, starts, qlens, block=4, seed=0):
     q = torch.randn(t, cfg.num_heads, cfg.head_dim, generator=gen)
     k = torch.randn(t, cfg.num_kv_heads, cfg.head_dim, generator=gen)
     v = torch.randn(t, cfg.num_kv_heads, cfg.head_dim, generator=gen)
-    meta = AttentionMeta.build(torch.tensor(qlens), torch.tensor(starts), torch.tensor(tables),
-                               block)
+    meta = meta_type.build(torch.tensor(qlens), torch.tensor(starts), torch.tensor(tables),
+                           block)
     return cache, meta, q, k, v
 
 
@@ -558,6 +565,24 @@ def test_a_tokens_attention_does_not_depend_on_what_shares_its_step():
                                 torch.tensor([_table(cache, meta, 1)]), cache.block_size)
     last, _ = _attend(PagedAttention, written, chunk, q[12:13], k[12:13], v[12:13])
     assert torch.equal(last[0], together[12])
+
+
+@needs_kernel
+def test_a_decode_tokens_flash_attention_does_not_depend_on_what_shares_its_step():
+    # a decode token's tiles beside many others' (the threads dealt each (token, tile)'s KV
+    # heads together) and alone (each (tile, KV head) dealt on its own): bit-equal
+    cfg = ModelConfig.smollm2_135m().with_(num_layers=1)
+    starts, qlens = [40, 0, 17, 300, 5], [1, 12, 1, 1, 1]
+    cache, meta, q, k, v = _pool_step(cfg, starts, qlens, seed=7, meta_type=FlashMeta)
+    together, _ = _attend(FlashAttention, cache, meta, q, k, v, tile_tokens=16)
+    for b, t in ((0, 0), (3, 14)):  # q rows: sequence 0's token, sequence 3's
+        solo = FlashMeta.build(torch.tensor([1]), torch.tensor([starts[b]]),
+                               meta.block_tables[b:b + 1], cache.block_size)
+        alone, _ = _attend(FlashAttention, cache, solo, q[t:t + 1], k[t:t + 1], v[t:t + 1],
+                           tile_tokens=16)
+        assert torch.equal(alone[0], together[t]), b
+    want, _ = _attend(NaiveAttention, cache, _pool_step(cfg, starts, qlens, seed=7)[1], q, k, v)
+    torch.testing.assert_close(together, want, rtol=1e-5, atol=1e-5)
 
 
 def _table(cache, meta, b):

@@ -148,6 +148,18 @@ at::Tensor flash_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
       for (int64_t hk = 0; hk < Hkv; ++hk) cost.push_back(n);
     }
   }
+  // where there are units (token, tile) enough, two a thread or more, a unit's KV heads go to
+  // one thread, one after the other, as paged_attention deals a token's: measured (a SmolLM2
+  // int8 decode step at 32 rows of 256 keys, alternating in one process; results/
+  // cpu-kernels-2026-12-06b.md) the forward 0.97-1.09x, median 1.04x, over each (unit, KV
+  // head) dealt on its own
+  const int64_t units = (int64_t)item_tok.size();
+  const int64_t per = units >= 2 * at::get_num_threads() ? Hkv : 1;
+  if (per > 1) {
+    std::vector<int64_t> unit_cost(units);
+    for (int64_t u = 0; u < units; ++u) unit_cost[u] = cost[u * Hkv];
+    cost.swap(unit_cost);
+  }
   int64_t nth, chunk;
   const std::vector<int64_t> place = deal(cost, nth, chunk);
 
@@ -171,26 +183,28 @@ at::Tensor flash_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
     Scratch sc = scratch();
     for (int64_t i = i0; i < i1; ++i) {
       if (place[i] < 0) continue;
-      const int64_t it = place[i] / Hkv, hk = place[i] % Hkv, x = item_tok[it], t = tok[x];
-      const float* qh = qp + t * q.stride(0) + hk * G * D;
-      const int64_t* table = tp + seq[x] * nb;
-      const int64_t n = keys[x];
-      if (item_tile[it] >= 0) {  // one tile of a decode token: its partial, for the fold below
-        const int64_t j = item_tile[it];
-        tile_partial(qh, kp, vp, table, block_size, j * tile, std::min(n, (j + 1) * tile), hk,
-                     Hkv, G, D, (float)scale,
-                     State(partial.data() + ((first[x] + j) * Hkv + hk) * R, G), sc);
-        continue;
+      for (int64_t w = place[i] * per; w < (place[i] + 1) * per; ++w) {
+        const int64_t it = w / Hkv, hk = w % Hkv, x = item_tok[it], t = tok[x];
+        const float* qh = qp + t * q.stride(0) + hk * G * D;
+        const int64_t* table = tp + seq[x] * nb;
+        const int64_t n = keys[x];
+        if (item_tile[it] >= 0) {  // one tile of a decode token: its partial, for the fold below
+          const int64_t j = item_tile[it];
+          tile_partial(qh, kp, vp, table, block_size, j * tile, std::min(n, (j + 1) * tile), hk,
+                       Hkv, G, D, (float)scale,
+                       State(partial.data() + ((first[x] + j) * Hkv + hk) * R, G), sc);
+          continue;
+        }
+        State run(sc.run.data(), G), part(sc.tile.data(), G);
+        tile_partial(qh, kp, vp, table, block_size, 0, std::min(n, tile), hk, Hkv, G, D,
+                     (float)scale, run, sc);
+        for (int64_t p0 = tile; p0 < n; p0 += tile) {
+          tile_partial(qh, kp, vp, table, block_size, p0, std::min(n, p0 + tile), hk, Hkv, G, D,
+                       (float)scale, part, sc);
+          fold(run, sc.tile.data(), G, D);
+        }
+        finish(run, G, D, op + (t * H + hk * G) * D);
       }
-      State run(sc.run.data(), G), part(sc.tile.data(), G);
-      tile_partial(qh, kp, vp, table, block_size, 0, std::min(n, tile), hk, Hkv, G, D,
-                   (float)scale, run, sc);
-      for (int64_t p0 = tile; p0 < n; p0 += tile) {
-        tile_partial(qh, kp, vp, table, block_size, p0, std::min(n, p0 + tile), hk, Hkv, G, D,
-                     (float)scale, part, sc);
-        fold(run, sc.tile.data(), G, D);
-      }
-      finish(run, G, D, op + (t * H + hk * G) * D);
     }
   });
   if (parts == 0) return out;
