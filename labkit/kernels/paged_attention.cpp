@@ -65,9 +65,9 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
   for (int64_t i = 0; i < B * L; ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "a slot outside the pool");
   // balance the threads: items (token x KV head) cost their keys. Where there are tokens
-  // enough (two a thread or more), a token's KV heads go to one thread, one after the other:
-  // the lines of a slot's other heads that the CPU fetches beside a head's rows are then
-  // read by the thread that has them. Measured (a SmolLM2 decode step at 32 rows of 256 keys,
+  // enough (two a thread or more), a token's KV heads go to one thread, one after the other
+  // (likely why it helps: the lines of a slot's other heads that the CPU fetches beside a
+  // head's rows are then read by the thread that has them). Measured (a SmolLM2 decode step at 32 rows of 256 keys,
   // alternating in one process; results/cpu-kernels-2026-12-06b.md): the forward 1.006-1.10x
   // (median 1.02x, int8) and 0.99-1.03x (median 1.02x, int4) over dealing each (token, KV
   // head) on its own; which thread runs an item never changes its result.
