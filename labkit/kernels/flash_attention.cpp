@@ -51,8 +51,7 @@ static void tile_partial(const float* qh, const float* kp, const float* vp, cons
   scores(qh, kp, sc.off.data(), nk, G, D, scale, s, vp);
   for (int64_t g = 0; g < G; ++g) {  // the tile's own max; numerators in place, their sum
     float* sg = s + g * nk;
-    float m = sg[0];
-    for (int64_t p = 1; p < nk; ++p) m = std::max(m, sg[p]);
+    const float m = row_max(sg, nk);
     part.m[g] = m;
     part.l[g] = exp_and_sum(sg, nk, m);
   }

@@ -17,9 +17,7 @@ static void attend_item(const float* qh, const float* kp, const float* vp, const
   float inv[64];  // 1 / softmax denominator of each query head (G <= 64, checked)
   for (int64_t g = 0; g < G; ++g) {  // softmax numerators in place, and their sums
     float* s = score.data() + g * nk;
-    float m = s[0];
-    for (int64_t p = 1; p < nk; ++p) m = std::max(m, s[p]);
-    inv[g] = 1.0f / exp_and_sum(s, nk, m);
+    inv[g] = 1.0f / exp_and_sum(s, nk, row_max(s, nk));
   }
   weighted(score.data(), nk, vp, off.data(), G, D, inv, oh);
 }
