@@ -38,28 +38,39 @@ static inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 // scores of GC query heads (q, rows D apart) against 4 key rows at once (independent sums in
-// flight: one dot product alone waits on its own FMA chain). s[g * lds + j] for j < n.
+// flight: one dot product alone waits on its own FMA chain). s[g * lds + j] for j < n. The
+// sums in one array a key row, the key pointers copied in: written as one [4][GC] array,
+// inlined into the kernels, GCC 12 kept the sums in registers and also stored all of them to
+// the stack on every step of the loop. Without the stores paged attention at 32 rows of 256
+// keys ran 1.21x faster in cache, 1.05x from memory (the three-head case written out by hand;
+// this form, for every GC, 1.04x faster again in cache; results/cpu-kernels-2026-12-06b.md).
 template <int GC>
 static inline void scores4(const float* q, const float* const* kr, int64_t D, float scale,
                            float* s, int64_t lds, int n) {
   const int64_t D8 = D - D % 8;
-  __m256 acc[4][GC];
-  for (int j = 0; j < 4; ++j)
-    for (int g = 0; g < GC; ++g) acc[j][g] = _mm256_setzero_ps();
+  const float* k[4] = {kr[0], kr[1], kr[2], kr[3]};
+  __m256 a0[GC], a1[GC], a2[GC], a3[GC];  // one array a key row
+  for (int g = 0; g < GC; ++g) a0[g] = a1[g] = a2[g] = a3[g] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D8; d += 8) {
     __m256 qv[GC];
     for (int g = 0; g < GC; ++g) qv[g] = _mm256_loadu_ps(q + g * D + d);
-    for (int j = 0; j < 4; ++j) {
-      const __m256 kv = _mm256_loadu_ps(kr[j] + d);
-      for (int g = 0; g < GC; ++g) acc[j][g] = _mm256_fmadd_ps(qv[g], kv, acc[j][g]);
+    const __m256 k0 = _mm256_loadu_ps(k[0] + d), k1 = _mm256_loadu_ps(k[1] + d),
+                 k2 = _mm256_loadu_ps(k[2] + d), k3 = _mm256_loadu_ps(k[3] + d);
+    for (int g = 0; g < GC; ++g) {
+      a0[g] = _mm256_fmadd_ps(qv[g], k0, a0[g]);
+      a1[g] = _mm256_fmadd_ps(qv[g], k1, a1[g]);
+      a2[g] = _mm256_fmadd_ps(qv[g], k2, a2[g]);
+      a3[g] = _mm256_fmadd_ps(qv[g], k3, a3[g]);
     }
   }
+  __m128 r[GC];
+  for (int g = 0; g < GC; ++g) r[g] = sum4(a0[g], a1[g], a2[g], a3[g]);
   for (int g = 0; g < GC; ++g) {
-    alignas(16) float r[4];
-    _mm_store_ps(r, sum4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]));
+    alignas(16) float t[4];
+    _mm_store_ps(t, r[g]);
     for (int j = 0; j < n; ++j) {
-      for (int64_t d = D8; d < D; ++d) r[j] += q[g * D + d] * kr[j][d];
-      s[g * lds + j] = r[j] * scale;
+      for (int64_t d = D8; d < D; ++d) t[j] += q[g * D + d] * k[j][d];
+      s[g * lds + j] = t[j] * scale;
     }
   }
 }
@@ -88,45 +99,6 @@ static inline void weighted_v(const float* w, const float* vp, const int64_t* of
                        _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
 }
 
-// scores4<3> (three query heads: SmolLM2's groups) with its 12 sums in named registers, the
-// same operations in the same order: where scores4's loop was inlined into the kernels, GCC 12
-// kept its array of sums in registers and also stored all 12 to the stack on every step of
-// its loop. Measured (results/cpu-kernels-2026-12-06b.md): paged attention alone at 32 rows
-// of 256 keys 1.21x in cache, 1.05x from memory; a 32-row int8 decode forward 1.01-1.03x.
-static inline void scores4x3(const float* q, const float* const* kr, int64_t D, float scale,
-                             float* s, int64_t lds, int n) {
-  const int64_t D8 = D - D % 8;
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
-  __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
-  const float *k0 = kr[0], *k1 = kr[1], *k2 = kr[2], *k3 = kr[3];
-  for (int64_t d = 0; d < D8; d += 8) {
-    const __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + D + d),
-                 q2 = _mm256_loadu_ps(q + 2 * D + d);
-    __m256 kv = _mm256_loadu_ps(k0 + d);
-    a00 = _mm256_fmadd_ps(q0, kv, a00); a01 = _mm256_fmadd_ps(q1, kv, a01);
-    a02 = _mm256_fmadd_ps(q2, kv, a02);
-    kv = _mm256_loadu_ps(k1 + d);
-    a10 = _mm256_fmadd_ps(q0, kv, a10); a11 = _mm256_fmadd_ps(q1, kv, a11);
-    a12 = _mm256_fmadd_ps(q2, kv, a12);
-    kv = _mm256_loadu_ps(k2 + d);
-    a20 = _mm256_fmadd_ps(q0, kv, a20); a21 = _mm256_fmadd_ps(q1, kv, a21);
-    a22 = _mm256_fmadd_ps(q2, kv, a22);
-    kv = _mm256_loadu_ps(k3 + d);
-    a30 = _mm256_fmadd_ps(q0, kv, a30); a31 = _mm256_fmadd_ps(q1, kv, a31);
-    a32 = _mm256_fmadd_ps(q2, kv, a32);
-  }
-  const __m128 r[3] = {sum4(a00, a10, a20, a30), sum4(a01, a11, a21, a31),
-                       sum4(a02, a12, a22, a32)};
-  for (int g = 0; g < 3; ++g) {
-    alignas(16) float t[4];
-    _mm_store_ps(t, r[g]);
-    for (int j = 0; j < n; ++j) {
-      for (int64_t d = D8; d < D; ++d) t[j] += q[g * D + d] * kr[j][d];
-      s[g * lds + j] = t[j] * scale;
-    }
-  }
-}
-
 template <int GC>
 static inline void scores_all(const float* q, const float* kp, const int64_t* off, int64_t nk,
                               int64_t D, float scale, float* s, const float* vp) {
@@ -138,10 +110,7 @@ static inline void scores_all(const float* q, const float* kp, const int64_t* of
     const int n = (int)std::min<int64_t>(4, nk - p);
     const float* kr[4];
     for (int j = 0; j < 4; ++j) kr[j] = kp + off[p + (j < n ? j : 0)];  // padding: re-read
-    if constexpr (GC == 3)
-      scores4x3(q, kr, D, scale, s + p, nk, n);
-    else
-      scores4<GC>(q, kr, D, scale, s + p, nk, n);
+    scores4<GC>(q, kr, D, scale, s + p, nk, n);
   }
 }
 
