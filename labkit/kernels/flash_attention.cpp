@@ -136,31 +136,19 @@ at::Tensor flash_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
                   "a page outside the pool");
   }
   // the work: a prefill token's every tile (it folds them as it goes), or one tile of a decode
-  // token (folded after all of them are done); each x Hkv, costing its keys
+  // token (folded after all of them are done), costing its keys; each x Hkv
   std::vector<int64_t> item_tok, item_tile, cost;  // item_tile -1: every tile
   for (int64_t i = 0; i < (int64_t)tok.size(); ++i) {
     const int64_t tiles = first[i] < 0 ? 1 : (keys[i] + tile - 1) / tile;
     for (int64_t j = 0; j < tiles; ++j) {
       item_tok.push_back(i);
       item_tile.push_back(first[i] < 0 ? -1 : j);
-      const int64_t n = first[i] < 0 ? keys[i] : std::min(tile, keys[i] - j * tile);
-      for (int64_t hk = 0; hk < Hkv; ++hk) cost.push_back(n);
+      cost.push_back(first[i] < 0 ? keys[i] : std::min(tile, keys[i] - j * tile));
     }
   }
-  // where there are units (token, tile) enough, two a thread or more, a unit's KV heads go to
-  // one thread, one after the other, as paged_attention deals a token's: measured (a SmolLM2
-  // int8 decode step at 32 rows of 256 keys, alternating in one process; results/
-  // cpu-kernels-2026-12-06b.md) the forward 0.97-1.09x, median 1.04x, over each (unit, KV
-  // head) dealt on its own
-  const int64_t units = (int64_t)item_tok.size();
-  const int64_t per = units >= 2 * at::get_num_threads() ? Hkv : 1;
-  if (per > 1) {
-    std::vector<int64_t> unit_cost(units);
-    for (int64_t u = 0; u < units; ++u) unit_cost[u] = cost[u * Hkv];
-    cost.swap(unit_cost);
-  }
-  int64_t nth, chunk;
-  const std::vector<int64_t> place = deal(cost, nth, chunk);
+  // a unit's KV heads together where there are units enough (deal_units)
+  int64_t nth, chunk, per;
+  const std::vector<int64_t> place = deal_units(cost, Hkv, nth, chunk, per);
 
   auto out = at::empty({T, H, D}, q.options());
   const int64_t R = G * (D + 2);  // floats of one State

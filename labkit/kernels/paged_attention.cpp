@@ -62,19 +62,10 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
     }
   for (int64_t i = 0; i < B * L; ++i)
     TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "a slot outside the pool");
-  // balance the threads: items (token x KV head) cost their keys. Where there are tokens
-  // enough (two a thread or more), a token's KV heads go to one thread, one after the other
-  // (likely why it helps: the lines of a slot's other heads that the CPU fetches beside a
-  // head's rows are then read by the thread that has them). Measured (a SmolLM2 decode step at 32 rows of 256 keys,
-  // alternating in one process; results/cpu-kernels-2026-12-06b.md): the forward 1.006-1.10x
-  // (median 1.02x, int8) and 0.99-1.03x (median 1.02x, int4) over dealing each (token, KV
-  // head) on its own; which thread runs an item never changes its result.
-  const bool by_token = (int64_t)tok.size() >= 2 * at::get_num_threads();
-  const int64_t per = by_token ? Hkv : 1;  // items a dealt unit: a token's KV heads together
-  std::vector<int64_t> cost((int64_t)tok.size() * Hkv / per);
-  for (int64_t i = 0; i < (int64_t)cost.size(); ++i) cost[i] = keys[i * per / Hkv];
-  int64_t nth, chunk;
-  const std::vector<int64_t> place = deal(cost, nth, chunk);
+  // balance the threads: items (token x KV head) cost their keys; a token's heads together
+  // where there are tokens enough (deal_units)
+  int64_t nth, chunk, per;
+  const std::vector<int64_t> place = deal_units(keys, Hkv, nth, chunk, per);
 
   auto out = at::empty({T, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
