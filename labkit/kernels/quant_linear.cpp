@@ -899,9 +899,11 @@ static void x_to_int4dot(const float* x, int64_t K, int64_t G, int8_t* h, int8_t
 // time there): 6 and 8 KiB ahead the fastest, 2 KiB 0.76x of them, 9-20 KiB 0.89-0.97x;
 // asking for nothing 0.98-1.00x (in one stream the CPU's own prefetcher keeps up, where with
 // four a thread it had read at 0.58-0.65x). Where it was quiet (56-70 GB/s), 12 KiB read
-// 1.03-1.14x as fast as 6 KiB. Asking for nothing, measured again over 30 runs busy and quiet
-// (results/cpu-kernels-2026-12-06.md): 0.89-1.02x, median 0.955x (int8_linear_dot, half the
-// arithmetic a byte, asks for nothing at one or two rows).
+// 1.03-1.14x as fast as 6 KiB; measured again over 12 runs (two quiet), 12 KiB read 0.86-0.95x
+// as fast and 8 KiB 0.92-1.03x (results/cpu-kernels-2026-12-06c.md). Asking for nothing,
+// measured again over 30 runs busy and quiet (results/cpu-kernels-2026-12-06.md): 0.89-1.02x,
+// median 0.955x (int8_linear_dot, half the arithmetic a byte, asks for nothing at one or two
+// rows).
 static constexpr int64_t kDotAhead = 6144;
 
 // RM rows of x against RB blocks of 16 output rows (RB 2: the two of a pair, whose codes for a
