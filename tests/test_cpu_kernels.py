@@ -535,9 +535,10 @@ def _attend(backend_cls, cache, meta, q, k, v, **kw):
 
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (5, 1, 20),
-                                                     (8, 2, 72)])
+                                                     (8, 2, 72), (4, 2, 40), (6, 3, 48)])
 def test_paged_attention_in_place_equals_the_naive_reference(heads, kv_heads, head_dim):
-    # head groups of 3, 2, 5 (3 + 2) and 4 (3 + 1); head widths with 8-lane tails and none
+    # head groups of 3, 2, 5 (3 + 2) and 4 (3 + 1); head widths of 1 to 4 runs of 16 lanes,
+    # with 8-lane and scalar tails and none
     cfg = ModelConfig.tiny().with_(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
     cache, meta, q, k, v = _pool_step(cfg, starts=[0, 9, 4, 30], qlens=[7, 1, 3, 1])
     want, want_store = _attend(NaiveAttention, cache, meta, q, k, v)
