@@ -630,6 +630,18 @@ def test_rms_norm_rope_and_silu_mul_equal_the_torch_ops(monkeypatch, rows, d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("d", [6, 20, 64])
+def test_rope_is_each_elements_two_products_and_their_sum(d):
+    # out[i] = x[i] cos[i] + x[(i + D/2) % D] sin[i] (the signed sin table), one rounding each
+    from labkit.model import rope_tables
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(3, 7, d, generator=gen)[:, :5]  # a view, as the stack's of q|k|v
+    cos, sin = rope_tables(d, 1e4, torch.arange(3) * 37)
+    partner = torch.cat([x[..., d // 2:], x[..., :d // 2]], dim=-1)
+    assert torch.equal(built.rope(x, cos, sin), x * cos + partner * sin)
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows,d", [(1, 576), (5, 64), (3, 20)])
 def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(rows, d):
     # the decoder stack's residual add and the norm after it, in one call
