@@ -75,60 +75,71 @@ static inline void scores4(const float* q, const float* const* kr, int64_t D, fl
   }
 }
 
-// o[g][d0 .. d0 + 8C) = inv[g] * sum over keys p of w[g * nk + p] * v_p[d0 ..], keys in order;
-// GC x C accumulators stay in registers for the whole context
-template <int GC, int C>
+// the vector ops weighted_v needs, 8 lanes at a time (AVX2) or 16 (AVX-512)
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t kN = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store_times(float* p, V a, float s) {
+    _mm256_storeu_ps(p, _mm256_mul_ps(a, _mm256_set1_ps(s)));
+  }
+};
+#ifdef __AVX512F__
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t kN = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float a) { return _mm512_set1_ps(a); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store_times(float* p, V a, float s) {
+    _mm512_storeu_ps(p, _mm512_mul_ps(a, _mm512_set1_ps(s)));
+  }
+};
+#endif
+
+// o[g][d0 .. d0 + nC) = inv[g] * sum over keys p of w[g * nk + p] * v_p[d0 ..], keys in order,
+// n = L's lanes; GC x C accumulators stay in registers for the whole context. Each output is
+// the same multiply-adds in the same order whatever n is, so the same bits
+template <class L, int GC, int C>
 static inline void weighted_v(const float* w, const float* vp, const int64_t* off, int64_t nk,
                               int64_t d0, const float* inv, float* o, int64_t D) {
-  __m256 acc[GC][C];
+  typename L::V acc[GC][C];
   for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[g][c] = L::zero();
   for (int64_t p = 0; p < nk; ++p) {
     if (d0 == 0 && p + kRowsAhead < nk) prefetch_row(vp + off[p + kRowsAhead], D);
     const float* vr = vp + off[p] + d0;
-    __m256 wv[GC];
-    for (int g = 0; g < GC; ++g) wv[g] = _mm256_set1_ps(w[g * nk + p]);
+    typename L::V wv[GC];
+    for (int g = 0; g < GC; ++g) wv[g] = L::set1(w[g * nk + p]);
     for (int c = 0; c < C; ++c) {
-      const __m256 vv = _mm256_loadu_ps(vr + 8 * c);
-      for (int g = 0; g < GC; ++g) acc[g][c] = _mm256_fmadd_ps(wv[g], vv, acc[g][c]);
+      const typename L::V vv = L::load(vr + L::kN * c);
+      for (int g = 0; g < GC; ++g) acc[g][c] = L::fma(wv[g], vv, acc[g][c]);
     }
   }
   for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < C; ++c)
-      _mm256_storeu_ps(o + g * D + d0 + 8 * c,
-                       _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
+    for (int c = 0; c < C; ++c) L::store_times(o + g * D + d0 + L::kN * c, acc[g][c], inv[g]);
 }
 
-#ifdef __AVX512F__
-// weighted_v 16 lanes at a time: each output is the same multiply-adds in the same order (keys
-// in order, one accumulator an output, then inv), so the same bits, in half the instructions,
-// and a 64-wide head's values in one pass over the keys, not two. Measured against the 8-lane
-// loop alone (this course's VM, 9 query heads on 3 KV heads, 64 wide, 256 keys; the same bits
-// checked): paged attention at 1 row 1.15x in cache, 1.06x from memory; at 32 rows 1.07x in
-// cache, 1.01x from memory; 1,024 keys at 1 row from memory 1.02x
-// (results/cpu-kernels-2026-12-06c.md).
-template <int GC, int C>
-static inline void weighted_v16(const float* w, const float* vp, const int64_t* off, int64_t nk,
-                                int64_t d0, const float* inv, float* o, int64_t D) {
-  __m512 acc[GC][C];
-  for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < nk; ++p) {
-    if (d0 == 0 && p + kRowsAhead < nk) prefetch_row(vp + off[p + kRowsAhead], D);
-    const float* vr = vp + off[p] + d0;
-    __m512 wv[GC];
-    for (int g = 0; g < GC; ++g) wv[g] = _mm512_set1_ps(w[g * nk + p]);
-    for (int c = 0; c < C; ++c) {
-      const __m512 vv = _mm512_loadu_ps(vr + 16 * c);
-      for (int g = 0; g < GC; ++g) acc[g][c] = _mm512_fmadd_ps(wv[g], vv, acc[g][c]);
-    }
+// weighted_v over the columns [d0, end) (end - d0 a multiple of L's lanes), up to 4 vectors a
+// pass over the keys; returns end
+template <class L, int GC>
+static inline int64_t weighted_runs(const float* w, const float* vp, const int64_t* off,
+                                    int64_t nk, int64_t d0, int64_t end, const float* inv,
+                                    float* o, int64_t D) {
+  for (; d0 + 4 * L::kN <= end; d0 += 4 * L::kN)
+    weighted_v<L, GC, 4>(w, vp, off, nk, d0, inv, o, D);
+  switch ((end - d0) / L::kN) {
+    case 3: weighted_v<L, GC, 3>(w, vp, off, nk, d0, inv, o, D); break;
+    case 2: weighted_v<L, GC, 2>(w, vp, off, nk, d0, inv, o, D); break;
+    case 1: weighted_v<L, GC, 1>(w, vp, off, nk, d0, inv, o, D); break;
+    default: break;
   }
-  for (int g = 0; g < GC; ++g)
-    for (int c = 0; c < C; ++c)
-      _mm512_storeu_ps(o + g * D + d0 + 16 * c,
-                       _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+  return end;
 }
-#endif
 
 template <int GC>
 static inline void scores_all(const float* q, const float* kp, const int64_t* off, int64_t nk,
@@ -151,23 +162,14 @@ static inline void weighted_all(const float* w, int64_t nk, const float* vp,
   const int64_t D8 = D - D % 8;
   int64_t d0 = 0;
 #ifdef __AVX512F__
-  const int64_t D16 = D - D % 16;  // 16 lanes while they last, then 8, then one at a time
-  for (; d0 + 64 <= D16; d0 += 64) weighted_v16<GC, 4>(w, vp, off, nk, d0, inv, o, D);
-  switch ((D16 - d0) / 16) {
-    case 3: weighted_v16<GC, 3>(w, vp, off, nk, d0, inv, o, D); break;
-    case 2: weighted_v16<GC, 2>(w, vp, off, nk, d0, inv, o, D); break;
-    case 1: weighted_v16<GC, 1>(w, vp, off, nk, d0, inv, o, D); break;
-    default: break;
-  }
-  d0 = D16;
+  // 16 lanes while they last, then 8, then one at a time. Measured against 8 lanes throughout
+  // (this course's VM, 9 query heads on 3 KV heads, 64 wide, 256 keys; the same bits checked):
+  // paged attention at 1 row 1.15x in cache, 1.06x from memory (a 64-wide head's values in one
+  // pass over the keys, not two); at 32 rows 1.07x in cache, 1.01x from memory; 1,024 keys at
+  // 1 row from memory 1.02x (results/cpu-kernels-2026-12-06c.md)
+  d0 = weighted_runs<Lanes16, GC>(w, vp, off, nk, d0, D - D % 16, inv, o, D);
 #endif
-  for (; d0 + 32 <= D8; d0 += 32) weighted_v<GC, 4>(w, vp, off, nk, d0, inv, o, D);
-  switch ((D8 - d0) / 8) {
-    case 3: weighted_v<GC, 3>(w, vp, off, nk, d0, inv, o, D); break;
-    case 2: weighted_v<GC, 2>(w, vp, off, nk, d0, inv, o, D); break;
-    case 1: weighted_v<GC, 1>(w, vp, off, nk, d0, inv, o, D); break;
-    default: break;
-  }
+  weighted_runs<Lanes8, GC>(w, vp, off, nk, d0, D8, inv, o, D);
   for (int g = 0; g < GC; ++g)
     for (int64_t d = D8; d < D; ++d) {
       float a = 0.0f;
