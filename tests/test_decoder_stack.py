@@ -201,9 +201,9 @@ def test_stack_reports_the_time_spent_in_kernels():
         run(x, cos, sin)
         wall = time.perf_counter() - t0
     assert 0 < prof["kernel_s"] <= wall
-    # the same seconds by kind: each kind ran (a layer has all three), and they add up
+    # the same seconds by kind: each kind ran (a layer has all three); kernel_s is their sum
     assert set(prof["split"]) == {"linears", "attention", "row ops"}
     assert all(sec > 0 for sec in prof["split"].values()), prof["split"]
     assert sum(prof["split"].values()) == pytest.approx(prof["kernel_s"], rel=1e-9)
     run(x, cos, sin)  # outside the block: nothing more is counted
-    assert decoder_stack._state["kernel_s"] == prof["kernel_s"]
+    assert sum(decoder_stack._state["split"]) == prof["kernel_s"]

@@ -149,10 +149,9 @@ class DecoderStack {
   }
 
   // Seconds the last `forward` (or `logits`) spent inside kernels and aten calls (with
-  // `profile`), so that forward time minus this is what remains between them; and the same
-  // seconds by kind: the linears (the head among them), attention (with its KV write), the
-  // small row ops (norms, residual adds, RoPE, SiLU times up).
-  double kernel_seconds() const { return kernel_s_; }
+  // `profile`), by kind: the linears (the head among them), attention (with its KV write), the
+  // small row ops (norms, residual adds, RoPE, SiLU times up). Forward time minus their sum is
+  // what remains between the kernels.
   std::vector<double> kernel_split() const { return {split_[0], split_[1], split_[2]}; }
 
   // x [T, d] (the embedded tokens), cos/sin [T, 1, D]; attention: 0 paged (ctx_slots), 1
@@ -166,7 +165,6 @@ class DecoderStack {
     TORCH_CHECK(k_layers.size() == layers_.size() && v_layers.size() == layers_.size(),
                 "DecoderStack.forward: one K and one V pool per layer");
     TORCH_CHECK(attention == 0 || attention == 1, "DecoderStack.forward: attention 0 or 1");
-    kernel_s_ = 0.0;
     split_[kLinear] = split_[kAttention] = split_[kRowOp] = 0.0;
     profile_ = profile;
     const int64_t t = x.size(0);
@@ -239,9 +237,7 @@ class DecoderStack {
     if (!profile_) return fn();
     const auto t0 = Clock::now();
     auto out = fn();
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    kernel_s_ += s;
-    split_[kind] += s;
+    split_[kind] += std::chrono::duration<double>(Clock::now() - t0).count();
     return out;
   }
 
@@ -256,7 +252,6 @@ class DecoderStack {
   Linear head_;
   bool has_ends_ = false;
   bool profile_ = false;
-  double kernel_s_ = 0.0;
   double split_[3] = {0.0, 0.0, 0.0};
 };
 
@@ -268,7 +263,6 @@ void bind_decoder_stack(pybind11::module& m) {
       .def("set_ends", &DecoderStack::set_ends)
       .def("has_ends", &DecoderStack::has_ends)
       .def("logits", &DecoderStack::logits, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("kernel_seconds", &DecoderStack::kernel_seconds)
       .def("kernel_split", &DecoderStack::kernel_split)
       .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear_pass", &linear_pass, "passes over linears (kind, x, a, b) called from C++, as "
