@@ -576,27 +576,25 @@ static void rows16(const float* x, int64_t M, int64_t K, const float* w, float* 
 }
 
 // One row of x (a decode step at batch 1): weight rows [n0, n1) one after the other, each read
-// front to back, so a thread's share is one stream of bytes, as the read probe's, and it asks
-// for the bytes kRowAhead past the ones it reads. The same sums as tile16's (one accumulator an
-// output, k ascending by 16, sum16): the same bits. With several rows of weights side by side
-// (16 before: 16 streams 4 KiB apart, each 2-6 KiB long) one core read SmolLM2's weights at
-// 0.74x the probe's rate; one after the other, at the probe's rate (a step's fp32 linears,
-// alternating in one process: 1.33-1.38x when the memory is fast, 1.07-1.11x when it is
-// slow, both at 0.98-1.03x the probe). With 2 to 4 rows of x the tiles above stay faster
-// (0.89-0.95x this way).
-static constexpr int64_t kRowAhead = 4096;
+// front to back, so a thread's share is one stream of bytes, as the read probe's. The same sums
+// as tile16's (one accumulator an output, k ascending by 16, sum16): the same bits. With
+// several rows of weights side by side (16 before: 16 streams 4 KiB apart, each 2-6 KiB long)
+// one core read SmolLM2's weights at 0.74x the probe's rate; one after the other, at the
+// probe's rate (a step's fp32 linears, alternating in one process: 1.33-1.38x when the memory
+// is fast, 1.07-1.11x when it is slow, both at 0.98-1.03x the probe). With 2 to 4 rows of x
+// the tiles above stay faster (0.89-0.95x this way). It asks for nothing ahead: in one stream
+// the CPU's own prefetcher keeps up, as it does for the probe, where asking 4 KiB ahead into
+// L2 held the step's fp32 linears back where the memory was quiet (without: 1.20-1.25x in
+// three quiet runs of four, 0.99-1.05x busy; the whole batch-1 forward 0.99-1.22x quiet,
+// median 1.04x over 7 runs, 0.92-1.06x busy, median 1.01x over 18; 8 KiB ahead 0.74-1.01x of
+// 4 KiB on one long call; results/cpu-kernels-2026-12-06d.md).
 static void row_after_row(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1,
                           float* y) {
-  // the first kRowAhead bytes, which no read asks for ahead of itself
-  prefetch_bytes(reinterpret_cast<const char*>(w + n0 * K),
-                 std::min<int64_t>(kRowAhead, (n1 - n0) * K * 4));
   for (int64_t n = n0; n < n1; ++n) {
     const float* wr = w + n * K;
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      __builtin_prefetch(reinterpret_cast<const char*>(wr + k) + kRowAhead, 0, LK_LOC);
+    for (int64_t k = 0; k < K; k += 16)
       acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(wr + k), acc);
-    }
     y[n] = sum16(acc);
   }
 }
