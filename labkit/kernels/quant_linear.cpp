@@ -22,17 +22,18 @@
 // 1.00-1.02x (busy).
 static constexpr int64_t kXEachThread = 8;
 
-// When (fp32_linear, and int8_linear on its integer dot product): a thread multiplying one
-// block of weight rows asks for the block two ahead of it, spread through the block's loop,
-// each step asking for as many bytes of that block as it reads of its own, so requests flow
-// at the rate of the reads; the block after its first it asks for whole as it starts.
-// Measured (a SmolLM2 step's linears, alternating in one process beside the read probe over
-// the same tensors): fp32 at 1 row 1.26-1.29x faster than asking for the next block whole at
-// each block's start (0.67-0.73x the probe's rate -> 0.86-0.92x), at 4 rows 1.51x (0.96x);
-// int8 on its dot product 1.28-1.33x at 1-2 rows where the whole next block gave 1.08-1.11x.
-// A kernel bound by its arithmetic rather than by the memory (int8 turning codes into fp32,
-// int4 on bf16) measured 0.86-0.98x spread two ahead: its inner loop pays the requests, and it
-// keeps asking one block ahead.
+// When (fp32_linear at 2 rows and more, and int8_linear on its integer dot product; fp32 at one row
+// asks for nothing, `row_after_row`): a thread multiplying one block of weight rows asks for the
+// block two ahead of it, spread through the block's loop, each step asking for as many bytes of
+// that block as it reads of its own, so requests flow at the rate of the reads; the block after its
+// first it asks for whole as it starts. Measured (a SmolLM2 step's linears, alternating in one
+// process beside the read probe over the same tensors; fp32 at 1 row before it read row after row):
+// fp32 at 1 row 1.26-1.29x faster than asking for the next block whole at each block's start
+// (0.67-0.73x the probe's rate -> 0.86-0.92x), at 4 rows 1.51x (0.96x); int8 on its dot product
+// 1.28-1.33x at 1-2 rows where the whole next block gave 1.08-1.11x. A kernel bound by its
+// arithmetic rather than by the memory (int8 turning codes into fp32, int4 on bf16) measured
+// 0.86-0.98x spread two ahead: its inner loop pays the requests, and it keeps asking one block
+// ahead.
 struct Ahead {
   const char* p = nullptr;  // the block two ahead (nothing near a thread's end)
   int64_t per = 0;          // its bytes per unit of this block's loop (a k, or a row)
@@ -583,11 +584,12 @@ static void rows16(const float* x, int64_t M, int64_t K, const float* w, float* 
 // probe's rate (a step's fp32 linears, alternating in one process: 1.33-1.38x when the memory
 // is fast, 1.07-1.11x when it is slow, both at 0.98-1.03x the probe). With 2 to 4 rows of x
 // the tiles above stay faster (0.89-0.95x this way). It asks for nothing ahead: in one stream
-// the CPU's own prefetcher keeps up, as it does for the probe, where asking 4 KiB ahead into
-// L2 held the step's fp32 linears back where the memory was quiet (without: 1.20-1.25x in
-// three quiet runs of four, 0.99-1.05x busy; the whole batch-1 forward 0.99-1.22x quiet,
-// median 1.04x over 7 runs, 0.92-1.06x busy, median 1.01x over 18; 8 KiB ahead 0.74-1.01x of
-// 4 KiB on one long call; results/cpu-kernels-2026-12-06d.md).
+// the CPU's own prefetcher keeps up, as it does for the probe, which asks for nothing either.
+// Asking 4 KiB ahead into L2 held the step's fp32 linears back where the memory was quiet
+// (without: 1.20-1.25x in three quiet runs of four, 0.99-1.05x busy; the whole batch-1 forward
+// 0.99-1.22x quiet, median 1.04x over 7 runs, 0.92-1.06x busy, median 1.01x over 18; 8 KiB
+// ahead 0.74-1.01x of 4 KiB on one long call). The tiles, six weight rows side by side, keep
+// their requests: without, 2 rows ran 0.69-0.84x (results/cpu-kernels-2026-12-06d.md).
 static void row_after_row(const float* x, int64_t K, const float* w, int64_t n0, int64_t n1,
                           float* y) {
   for (int64_t n = n0; n < n1; ++n) {
