@@ -182,6 +182,17 @@ def _rope_rows(head_dim: int, theta: float, positions: torch.Tensor
     return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
 
+def rope_table(head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU table `rope_tables` takes its rows from: cos and signed sin [N, 1, head_dim] of
+    positions 0 .. N-1, N at least 2 * _ROPE_CHUNK (labkit's C++ decoder stack copies a step's
+    rows from it; where a position is past its end, `rope_tables` grows it)."""
+    table = _ROPE_ROWS.get((head_dim, float(theta)))
+    if table is None:
+        _rope_rows(head_dim, theta, torch.zeros(1, dtype=torch.long))  # builds it
+        table = _ROPE_ROWS[(head_dim, float(theta))]
+    return table
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each head's pairs (i, i + D/2) by the position's angle.
 
@@ -346,8 +357,7 @@ class LlamaModel(nn.Module):
         # last token: the others' logits are never sampled, and the head is the largest matmul)
         whole = decoder_stack.for_logits(self, attn)  # all of it in one C++ call, where
         if whole is not None:  # labkit's kernels serve: the same ops as below, bit for bit
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.rope_theta, positions)
-            return whole(input_ids, cos, sin, logit_rows)
+            return whole(input_ids, positions, logit_rows)  # (RoPE's rows from rope_table)
         x = self.hidden(input_ids, positions, attn, normed=False)
         if logit_rows is not None:
             x = x[logit_rows]

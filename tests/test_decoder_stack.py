@@ -108,6 +108,30 @@ def test_the_whole_forward_in_one_call_equals_the_python_path(quant, tied):
 
 
 @needs_kernels
+def test_the_whole_forward_grows_the_rope_table_and_refuses_a_negative_position(monkeypatch):
+    # the one C++ call copies RoPE's rows from labkit.model's table; a position past its end
+    # (here a table of 4 rows, positions up to 8) grows it, and the step runs once, as Python's
+    import labkit.model as model_module
+
+    model = _model("int4-g32", True)
+    with decoder_stack.disabled():
+        want = _steps(model, "paged")
+    monkeypatch.setattr(model_module, "_ROPE_CHUNK", 2)
+    monkeypatch.setattr(model_module, "_ROPE_ROWS", {})
+    assert model_module.rope_table(model.cfg.head_dim, model.cfg.rope_theta)[0].shape[0] == 4
+    got = _steps(model, "paged")
+    assert model_module.rope_table(model.cfg.head_dim, model.cfg.rope_theta)[0].shape[0] > 8
+    for g, w in zip(got[0], want[0]):
+        assert torch.equal(g, w)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])  # the KV written once
+    _, attn = _prefill_logits(model, "paged")
+    assert decoder_stack.for_logits(model, attn) is not None
+    ids = torch.zeros(12, dtype=torch.long)
+    with pytest.raises(ValueError, match="negative position"):
+        model(ids, torch.arange(12) - 1, attn)
+
+
+@needs_kernels
 def test_a_hook_on_the_head_or_the_embedding_keeps_the_python_path():
     model = _model(None, False)
     _, attn = _prefill_logits(model, "paged")

@@ -57,6 +57,52 @@ at::Tensor apply_linear(const Linear& lin, const at::Tensor& x_in) {
   return lin.bias ? y + *lin.bias : y;
 }
 
+// rows of the RoPE tables [N, 1, D] (labkit.model's table of every position so far) at
+// `positions` [T]: the cos and signed sin [T, 1, D] that rope_tables returns, copied. Checked
+// before any work: a position outside the table is an IndexError, and the caller, having run
+// nothing, grows the table and calls again (at batch 1 Python's two index_select calls cost
+// ~0.08 ms a step on caches the weights had just swept).
+std::pair<at::Tensor, at::Tensor> rope_rows(const at::Tensor& cos_t, const at::Tensor& sin_t,
+                                            const at::Tensor& positions) {
+  TORCH_CHECK(cos_t.dim() == 3 && cos_t.sizes() == sin_t.sizes() && cos_t.is_contiguous() &&
+              sin_t.is_contiguous() && positions.dim() == 1,
+              "DecoderStack: RoPE tables [N, 1, D] (contiguous) and positions [T]");
+  const at::Tensor pos = positions.scalar_type() == at::kLong ? positions.contiguous()
+                                                               : positions.to(at::kLong);
+  const int64_t T = pos.size(0), N = cos_t.size(0), D = cos_t.size(1) * cos_t.size(2);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK_INDEX(pp[t] >= 0 && pp[t] < N, "DecoderStack: position ", pp[t],
+                      " outside the RoPE table's ", N, " rows");
+  at::Tensor cos = at::empty({T, cos_t.size(1), cos_t.size(2)}, cos_t.options());
+  at::Tensor sin = at::empty_like(cos);
+  for (int64_t t = 0; t < T; ++t) {
+    std::copy_n(cos_t.data_ptr<float>() + pp[t] * D, D, cos.data_ptr<float>() + t * D);
+    std::copy_n(sin_t.data_ptr<float>() + pp[t] * D, D, sin.data_ptr<float>() + t * D);
+  }
+  return {cos, sin};
+}
+
+// x[rows] for x [T, d] (contiguous) and rows, an int64 vector of rows in [-T, T) (a negative
+// one counted from the end, as Python's): the rows copied by hand (at batch 1 the indexing
+// call cost ~0.05 ms a step on swept caches). Anything else (a mask, a row out of range, and
+// its error) through x.index, as x[rows] does it.
+at::Tensor select_rows(const at::Tensor& x, const at::Tensor& rows) {
+  if (rows.scalar_type() != at::kLong || rows.dim() != 1 || x.dim() != 2 ||
+      !x.is_contiguous() || x.scalar_type() != at::kFloat)
+    return x.index({rows});
+  const at::Tensor r = rows.contiguous();
+  const int64_t T = x.size(0), d = x.size(1), R = r.size(0);
+  const int64_t* rp = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R; ++i)
+    if (rp[i] < -T || rp[i] >= T) return x.index({rows});  // its IndexError
+  at::Tensor out = at::empty({R, d}, x.options());
+  for (int64_t i = 0; i < R; ++i)
+    std::copy_n(x.data_ptr<float>() + (rp[i] < 0 ? rp[i] + T : rp[i]) * d, d,
+                out.data_ptr<float>() + i * d);
+  return out;
+}
+
 }  // namespace
 
 // `passes` passes over the linears (kind, x, a, b) as DecoderStack calls them, one after the
@@ -127,23 +173,26 @@ class DecoderStack {
 
   bool has_ends() const { return has_ends_; }
 
-  // LlamaModel.forward in one call: the tokens' embedding, every layer (`forward`, whose
-  // arguments follow ids), the rows whose logits are wanted (`rows`, indexed as Python's
-  // x[rows]; None: every row), the final norm and the head: [R, V], the Python path's bits.
-  // At batch 1 the embedding, the row select, the norm and the head's dispatch took ~0.1 ms of
-  // Python on caches the weights had just swept.
-  at::Tensor logits(at::Tensor ids, at::Tensor cos, at::Tensor sin, int64_t attention,
+  // LlamaModel.forward in one call: the tokens' embedding, their RoPE rows (`rope_rows`: the
+  // tables of every position so far, and the positions), every layer (`forward`, whose
+  // arguments follow the positions), the rows whose logits are wanted (`rows`, indexed as
+  // Python's x[rows]; None: every row), the final norm and the head: [R, V], the Python path's
+  // bits. At batch 1 the embedding, the row select, the norm and the head's dispatch took
+  // ~0.1 ms of Python on caches the weights had just swept.
+  at::Tensor logits(at::Tensor ids, at::Tensor cos_table, at::Tensor sin_table,
+                    at::Tensor rope_positions, int64_t attention,
                     at::Tensor write_slots, std::vector<at::Tensor> k_layers,
                     std::vector<at::Tensor> v_layers, at::Tensor ctx_slots,
                     at::Tensor block_tables, int64_t block_size, int64_t tile,
                     at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
                     c10::optional<at::Tensor> rows, bool profile) {
     TORCH_CHECK(has_ends_, "DecoderStack.logits: set_ends first");
+    auto [cos, sin] = rope_rows(cos_table, sin_table, rope_positions);  // (first: it checks)
     at::Tensor x = at::embedding(embed_, ids);
     x = forward(x, cos, sin, attention, write_slots, std::move(k_layers), std::move(v_layers),
                 ctx_slots, block_tables, block_size, tile, q_index, query_lens, positions,
                 profile);  // (forward zeroes the kernel time: what follows adds to it)
-    if (rows) x = x.index({*rows});  // what x[logit_rows] does (negative rows, masks)
+    if (rows) x = select_rows(x, *rows);  // what x[logit_rows] does (negative rows, masks)
     at::Tensor h = timed(kRowOp, [&] { return rms_norm(x, final_norm_, eps_); });
     return linear(head_, h);
   }
