@@ -11,6 +11,7 @@ knows nothing about scheduling, pages or sampling.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -137,7 +138,8 @@ def rope_tables(head_dim: int, theta: float, positions: torch.Tensor
     On a CPU the rows come from a table of every position so far (`_rope_rows`), computed by
     the same formula: a decode step then indexes two rows instead of running ~10 small ops
     (~0.15 ms of a 7 ms SmolLM2 int4 step at batch 1, run on caches the weights just swept),
-    and a position's angles never depend on how many tokens share its step."""
+    and a position's angles never depend on how many tokens share its step. (Where the whole
+    forward is one C++ call, that call copies the rows from the table itself: `rope_table`.)"""
     if positions.device.type == "cpu" and positions.dim() == 1:
         return _rope_rows(head_dim, theta, positions)
     return _rope_formula(head_dim, theta, positions)
@@ -357,11 +359,27 @@ class LlamaModel(nn.Module):
         # last token: the others' logits are never sampled, and the head is the largest matmul)
         whole = decoder_stack.for_logits(self, attn)  # all of it in one C++ call, where
         if whole is not None:  # labkit's kernels serve: the same ops as below, bit for bit
-            return whole(input_ids, positions, logit_rows)  # (RoPE's rows from rope_table)
+            return self._whole(whole, input_ids, positions, logit_rows)
         x = self.hidden(input_ids, positions, attn, normed=False)
         if logit_rows is not None:
             x = x[logit_rows]
         return self.head(rms_norm(x, self.final_norm, self.cfg.rms_norm_eps))
+
+    def _whole(self, whole: Callable, input_ids: torch.Tensor, positions: torch.Tensor,
+               logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """The forward as one C++ call (`whole`, from decoder_stack.for_logits), given RoPE's
+        table: the call copies the step's rows from it. A position past the table's end is an
+        IndexError raised before anything ran: the table grows and the call runs again."""
+        head_dim, theta = self.cfg.head_dim, self.cfg.rope_theta
+        table = rope_table(head_dim, theta)
+        try:
+            return whole(input_ids, *table, positions, logit_rows)
+        except IndexError:
+            if positions.numel() == 0 or (int(positions.min()) >= 0
+                                          and int(positions.max()) < table[0].shape[0]):
+                raise  # not the table's (a logit row out of range)
+            rope_tables(head_dim, theta, positions)  # grows it (a negative position: ValueError)
+            return whole(input_ids, *rope_table(head_dim, theta), positions, logit_rows)
 
     @torch.inference_mode()
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,

@@ -129,6 +129,8 @@ def test_the_whole_forward_grows_the_rope_table_and_refuses_a_negative_position(
     ids = torch.zeros(12, dtype=torch.long)
     with pytest.raises(ValueError, match="negative position"):
         model(ids, torch.arange(12) - 1, attn)
+    with pytest.raises(IndexError):  # a logit row out of range: its own error, as Python's
+        model(ids, torch.arange(12), attn, logit_rows=torch.tensor([12]))
 
 
 @needs_kernels

@@ -170,19 +170,13 @@ def for_logits(model, attn) -> Callable | None:
     if served is None or not served[0].has_ends():
         return None
     stack, args = served
-    cfg = model.cfg
-    from labkit.model import rope_table, rope_tables  # (labkit.model imports this module)
 
-    def run(ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None
-            ) -> torch.Tensor:
+    def run(ids: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+            positions: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        # RoPE's rows are copied from the tables (labkit.model.rope_table) inside the call; a
+        # position outside them is an IndexError raised before anything runs
         profile = _state["profile"]
-        table = rope_table(cfg.head_dim, cfg.rope_theta)
-        try:
-            out = stack.logits(ids, *table, positions, *args, rows, profile)
-        except IndexError:  # a position past the table's end (checked before anything ran):
-            rope_tables(cfg.head_dim, cfg.rope_theta, positions)  # grow it (or say what's wrong)
-            table = rope_table(cfg.head_dim, cfg.rope_theta)
-            out = stack.logits(ids, *table, positions, *args, rows, profile)
+        out = stack.logits(ids, cos_table, sin_table, positions, *args, rows, profile)
         if profile:
             _count(stack)
         return out
