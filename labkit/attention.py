@@ -85,7 +85,10 @@ class AttentionMeta:
         valid_k = pos[None, :] < q.ctx_lens[:, None]  # [B, L]
         ctx_slots = torch.where(valid_k, ctx_slots, 0)
         write_slots = ctx_slots.gather(1, q.pos.clamp(max=seq_len - 1))  # [B, Tq]
-        mask = (pos[None, None, :] <= q.pos[:, :, None]) & valid_k[:, None, :]  # causal
+        if q.decode:  # the one query is the last key: causal is valid_k itself
+            mask = valid_k[:, None, :]
+        else:
+            mask = (pos[None, None, :] <= q.pos[:, :, None]) & valid_k[:, None, :]  # causal
         if q.tq > 1:  # a padded query row must see something, or softmax over nothing is NaN
             mask[:, :, 0] |= ~q.valid  # (its output is dropped)
         return AttentionMeta(q.packed(write_slots), q.packed(q.pos), ctx_slots, q.ctx_lens,
@@ -106,6 +109,7 @@ class _Queries:
     unpad_index: torch.Tensor  # [T] index into the flattened [B * Tq] padded queries
     last_rows: torch.Tensor  # [B] packed index of each sequence's last new token
     host_query_lens: list[int] | None
+    decode: bool = False  # one new token a sequence, known on the host
 
     @staticmethod
     def layout(query_lens: torch.Tensor, starts: torch.Tensor, dev: torch.device,
@@ -117,6 +121,15 @@ class _Queries:
             raise ValueError(f"{who}.build on {dev.type}: pass max_q and max_ctx (known "
                              "on the host); reading them from the device would stall it")
         b = query_lens.shape[0]
+        if max_q == 1 and host_query_lens is not None and all(n == 1 for n in host_query_lens):
+            # a decode step: the layout below with every query one token long, in 4 ops, not
+            # ~12 (at batch 1 on a CPU each costs a few microseconds on swept caches)
+            rows = torch.arange(b, device=dev)  # packed index = padded index = row
+            ctx_lens = starts + 1
+            return _Queries(1, int(ctx_lens.max()) if max_ctx is None else max_ctx, ctx_lens,
+                            starts[:, None].clone(), torch.ones(b, 1, dtype=torch.bool,
+                                                                device=dev),
+                            rows[:, None], rows, rows, list(host_query_lens), decode=True)
         ctx_lens = starts + query_lens  # [B]
         max_ctx = int(ctx_lens.max()) if max_ctx is None else max_ctx
         tq = int(query_lens.max()) if max_q is None else max_q

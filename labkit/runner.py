@@ -260,12 +260,17 @@ class ModelRunner:
         if index is not None:  # fork rows draw from their prompt's logits
             logits = logits[self.to_device(index)]
         vocab = logits.shape[-1]
-        batch = SamplingBatch.build(plan.params, plan.counters, vocab, self.to_device)
+        # every row greedy (known on the host): the argmax reads no setting, so none is packed
+        # into tensors (five small uploads a step; at batch 1 on a CPU ~0.04 ms of a 3.4 ms
+        # int4 step, on caches the weights had just swept)
+        greedy = all(p.greedy for p in plan.params)
+        batch = None if greedy else SamplingBatch.build(plan.params, plan.counters, vocab,
+                                                        self.to_device)
         penalties = Penalties.build(history, plan.params, vocab, self.device, self.to_device)
         rows = self.to_device(plan.rows)
         if on_staged is not None:
             on_staged()
-        tokens = sample(logits, batch, allowed, penalties=penalties)
+        tokens = sample(logits, batch, allowed, all_greedy=greedy, penalties=penalties)
         self.last_tokens[rows] = tokens
         k = logprobs_width(plan)
         self.last_logprobs = None if k is None else token_logprobs(logits, tokens, k)

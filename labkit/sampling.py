@@ -366,9 +366,10 @@ def unpack_logprobs(row: list[float], k: int) -> tuple[float, list[tuple[int, fl
     return row[0], [(int(row[1 + width + j]), row[1 + j]) for j in range(k)]
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | None = None,
+def sample(logits: torch.Tensor, batch: SamplingBatch | None, allowed: torch.Tensor | None = None,
            all_greedy: bool | None = None, penalties: Penalties | None = None) -> torch.Tensor:
-    """One token per row: [B] long, on the logits' device."""
+    """One token per row: [B] long, on the logits' device. `batch` may be None where
+    `all_greedy` is True (the argmax reads no setting)."""
     # logits: [B, V]; allowed: [B, V] bool (constrained decoding) or None
     logits = logits.float()
     if penalties is not None:  # before the mask: a masked token stays at -inf either way
@@ -378,6 +379,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: torch.Tensor | N
     greedy_tokens = logits.argmax(dim=-1)  # [B]
     if all_greedy if all_greedy is not None else batch.all_greedy:
         return greedy_tokens
+    if batch is None:
+        raise ValueError("sample: a batch of settings is needed where a row samples")
     # Gumbel-max: a draw from softmax(scaled). The noise is finite (hash_to_unit), so a token
     # that a filter or a mask removed stays at -inf + noise = -inf: it is never drawn
     sampled = (shaped_logits(logits, batch) + gumbel_noise(batch, logits.shape[1])).argmax(-1)

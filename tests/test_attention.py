@@ -61,3 +61,35 @@ def test_backend_matches_reference(backend, starts, qlens):
         # fp32, different summation orders only
         torch.testing.assert_close(out[offset:offset + n], want, atol=1e-5, rtol=1e-5)
         offset += n
+
+
+@pytest.mark.parametrize("meta_type", ["AttentionMeta", "FlashMeta"])
+def test_a_decode_steps_metadata_from_host_lengths_equals_the_general_build(meta_type):
+    # one new token a sequence, its lengths known on the host (what the runner passes): the
+    # short layout (_Queries.layout's decode branch) gives every tensor the general build gives
+    import dataclasses
+
+    from labkit import attention
+
+    build = getattr(attention, meta_type).build
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        b = int(torch.randint(1, 7, (1,), generator=gen))
+        block = int(torch.randint(1, 6, (1,), generator=gen))
+        starts = torch.randint(0, 40, (b,), generator=gen)
+        pages = int((starts.max() + 1 + block - 1) // block) + int(trial % 3)  # some padding
+        tables = torch.randperm(b * pages, generator=gen).reshape(b, pages)
+        ones = torch.ones(b, dtype=torch.long)
+        general = build(ones, starts, tables, block)
+        short = build(ones, starts, tables, block, 1, int(starts.max()) + 1,
+                      host_query_lens=[1] * b, host_starts=starts.tolist())
+        assert attention._Queries.layout(ones, starts, tables.device, 1, None, [1] * b,
+                                         meta_type).decode
+        for field in dataclasses.fields(general):
+            want, got = getattr(general, field.name), getattr(short, field.name)
+            if isinstance(want, torch.Tensor):
+                assert got.dtype == want.dtype and torch.equal(got, want), (trial, field.name)
+        assert short.host_ctx_lens == (starts + 1).tolist()
+    # a row with no new token (a fork row) keeps the general layout
+    assert not attention._Queries.layout(torch.tensor([1, 0]), torch.tensor([3, 3]),
+                                         torch.device("cpu"), 1, None, [1, 0], "t").decode

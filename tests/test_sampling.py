@@ -201,3 +201,11 @@ def test_a_masked_token_is_never_sampled():
     for counter in range(6):
         toks = sample(logits, _batch(params, [counter] * 256, vocab), allowed)
         assert set(toks.tolist()) <= {17, 40000}, f"a masked token was sampled at {counter}"
+
+
+def test_an_all_greedy_step_needs_no_settings_and_a_sampled_one_says_so():
+    # the runner packs no settings where every row is greedy (known on the host)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample(logits, None, all_greedy=True), logits.argmax(-1))
+    with pytest.raises(ValueError, match="batch of settings"):
+        sample(logits, None, all_greedy=False)
