@@ -78,6 +78,13 @@ class AttentionMeta:
         q = _Queries.layout(query_lens, starts, dev, max_q, max_ctx, host_query_lens,
                             "AttentionMeta")
         b, seq_len = query_lens.shape[0], q.max_ctx
+        kernels = cpu_kernels.usable_for_indices(block_tables) if q.decode else None
+        if kernels is not None:  # the same slots in one call of labkit's (read below)
+            write_slots, ctx_slots, valid_k = kernels.paged_decode_slots(
+                starts, block_tables, block_size, seq_len)
+            return AttentionMeta(write_slots, q.packed(q.pos), ctx_slots, q.ctx_lens,
+                                 query_lens, q.index, q.unpad_index, valid_k[:, None, :],
+                                 q.last_rows, q.host_query_lens, q.host_ctx_lens(host_starts))
         pos = torch.arange(seq_len, device=dev)  # [L]
         # token pos of a sequence lives in page table[pos // block_size] at offset pos % bs
         page_idx = (pos // block_size).clamp(max=block_tables.shape[1] - 1).expand(b, seq_len)
@@ -499,9 +506,14 @@ class FlashMeta(AttentionMeta):
         """Same arguments as AttentionMeta.build; only O(T) index tensors."""
         q = _Queries.layout(query_lens, starts, block_tables.device, max_q, max_ctx,
                             host_query_lens, "FlashMeta")
-        page = block_tables.gather(1, (q.pos // block_size).clamp(max=block_tables.shape[1] - 1))
-        write_slots = page * block_size + q.pos % block_size  # [B, Tq]
-        return FlashMeta(q.packed(write_slots), q.packed(q.pos), None, q.ctx_lens, query_lens,
+        kernels = cpu_kernels.usable_for_indices(block_tables) if q.decode else None
+        if kernels is not None:  # the same slots in one call of labkit's
+            write_slots = kernels.paged_decode_slots(starts, block_tables, block_size, 0)[0]
+        else:
+            page = block_tables.gather(1, (q.pos // block_size).clamp(
+                max=block_tables.shape[1] - 1))
+            write_slots = q.packed(page * block_size + q.pos % block_size)  # [B, Tq] -> [T]
+        return FlashMeta(write_slots, q.packed(q.pos), None, q.ctx_lens, query_lens,
                          q.index, q.unpad_index, None, q.last_rows, q.host_query_lens,
                          q.host_ctx_lens(host_starts), block_tables=block_tables,
                          block_size=block_size, starts=starts, max_ctx=q.max_ctx)

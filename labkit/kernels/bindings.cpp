@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over the KV pool, read in place");
   m.def("flash_attention", &flash_attention,
         "attention over the KV pool a tile of pages at a time, online softmax, split-K decode");
+  m.def("paged_decode_slots", &paged_decode_slots,
+        "a decode step's write slots, context slots and valid keys (AttentionMeta.build's)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row");
   m.def("add_rms_norm", &add_rms_norm, "x + r (in place, or new) and its RMSNorm, in one call");
   m.def("rope", &rope, "rotary position embedding of each row");

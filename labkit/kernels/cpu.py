@@ -6,7 +6,7 @@ cost more in dispatch or conversion than in arithmetic:
     lanes.h              the fixed-order lane reductions every kernel shares (batch invariance)
     quant_linear.cpp     int8_linear, int8_linear_dot, int4_linear, int4_linear_dot
     attention_tiles.h    what both attention kernels share: scores, exp and sum, weighted V
-    paged_attention.cpp  paged_attention
+    paged_attention.cpp  paged_attention (and paged_decode_slots: a decode step's slots)
     flash_attention.cpp  flash_attention
     row_ops.cpp          rms_norm, rope, silu_mul
     decoder_stack.cpp    DecoderStack: a model's layers, all of those kernels, in one call
@@ -175,6 +175,14 @@ def usable(x: torch.Tensor):
     # (called ~270 times a decode step: the cheapest checks, and the module from the dict)
     if (not x.is_cpu or x.dtype is not torch.float32 or _function_mode_on()
             or _dispatch_modes()):
+        return None
+    return _state["module"] if "module" in _state else kernels()
+
+
+def usable_for_indices(x: torch.Tensor):
+    """`usable` for the kernels that read and make integer tensors (`paged_decode_slots`): x
+    is a CPU tensor of any dtype and no torch mode is active."""
+    if not x.is_cpu or _function_mode_on() or _dispatch_modes():
         return None
     return _state["module"] if "module" in _state else kernels()
 

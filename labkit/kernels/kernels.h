@@ -23,6 +23,10 @@ at::Tensor flash_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
                            at::Tensor block_tables, int64_t block_size, int64_t tile,
                            at::Tensor q_index, at::Tensor query_lens, at::Tensor positions,
                            double scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode_slots(at::Tensor starts,
+                                                                   at::Tensor tables,
+                                                                   int64_t block_size,
+                                                                   int64_t L);
 at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
                                                 const at::Tensor& w, double eps, bool in_place);

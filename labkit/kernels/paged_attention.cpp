@@ -86,3 +86,45 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor k_new, at::Tensor v_new,
   });
   return out;
 }
+
+// A decode step's slots, as labkit.attention's AttentionMeta.build makes them for one new token
+// a sequence (sequence b's token at position starts[b], its pages in tables[b]): write_slots [B]
+// (the pool slot of that position), and where L > 0 ctx_slots [B, L] (the slot of each
+// context position, 0 past the sequence's own context) and valid [B, L] (position <=
+// starts[b]); L = 0: those two empty (FlashMeta reads the tables instead). A page index past a
+// table's width takes its last page, and a position past L - 1 the slot of L - 1, as the
+// build's clamps do. One call where the build is ~14 small tensor ops (at batch 1 on a CPU,
+// each a few microseconds on caches the weights had just swept).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode_slots(at::Tensor starts,
+                                                                   at::Tensor tables,
+                                                                   int64_t block_size,
+                                                                   int64_t L) {
+  TORCH_CHECK(starts.dim() == 1 && tables.dim() == 2 && tables.size(0) == starts.size(0) &&
+              tables.size(1) >= 1 && starts.scalar_type() == at::kLong &&
+              tables.scalar_type() == at::kLong && block_size >= 1 && L >= 0,
+              "paged_decode_slots: starts [B] and tables [B, pages >= 1] int64, block_size >= 1");
+  starts = starts.contiguous();
+  tables = tables.contiguous();
+  const int64_t B = starts.size(0), nb = tables.size(1);
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sp[b] >= 0, "paged_decode_slots: a negative start");
+  auto slot = [&](int64_t b, int64_t p) {  // the pool slot of sequence b's position p
+    return tp[b * nb + std::min(p / block_size, nb - 1)] * block_size + p % block_size;
+  };
+  at::Tensor write = at::empty({B}, starts.options());
+  at::Tensor ctx = at::empty({B, L}, starts.options());
+  at::Tensor valid = at::empty({B, L}, starts.options().dtype(at::kBool));
+  int64_t* wp = write.data_ptr<int64_t>();
+  int64_t* cp = ctx.data_ptr<int64_t>();
+  bool* vp = valid.data_ptr<bool>();
+  for (int64_t b = 0; b < B; ++b) {
+    wp[b] = slot(b, L > 0 ? std::min(sp[b], L - 1) : sp[b]);
+    for (int64_t p = 0; p < L; ++p) {
+      vp[b * L + p] = p <= sp[b];
+      cp[b * L + p] = p <= sp[b] ? slot(b, p) : 0;
+    }
+  }
+  return {write, ctx, valid};
+}
