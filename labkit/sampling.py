@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from labkit.kernels import cpu as cpu_kernels
+
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT32_TINY = float(np.finfo(np.float32).smallest_subnormal)
 # below this a temperature is refused: logits of magnitude up to ~1e32 divided by it still fit
@@ -376,7 +378,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch | None, allowed: torch.Ten
         logits = penalties.apply(logits)
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
-    greedy_tokens = logits.argmax(dim=-1)  # [B]
+    greedy_tokens = argmax_rows(logits)  # [B]
     if all_greedy if all_greedy is not None else batch.all_greedy:
         return greedy_tokens
     if batch is None:
@@ -385,6 +387,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch | None, allowed: torch.Ten
     # that a filter or a mask removed stays at -inf + noise = -inf: it is never drawn
     sampled = (shaped_logits(logits, batch) + gumbel_noise(batch, logits.shape[1])).argmax(-1)
     return torch.where(batch.temperature > 0, sampled, greedy_tokens)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for x [B, V]: the first index of each row's largest value (a NaN the
+    largest). On a CPU, labkit's kernel where it serves: torch's CPU argmax reads a SmolLM2 row
+    (49,152 logits) at ~5 GB/s, ~40-65 us of a greedy decode step at batch 1."""
+    kernels = cpu_kernels.usable(x)
+    if kernels is not None and x.dim() == 2 and x.shape[1] > 0 and x.is_contiguous():
+        return kernels.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def shaped_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

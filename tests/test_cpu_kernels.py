@@ -719,3 +719,23 @@ def test_the_read_probe_reads_every_byte(nbytes):
         flipped = buf.clone()
         flipped[i] ^= 1
         assert built.read_probe(flipped) != built.read_probe(buf), i
+
+
+@needs_kernel
+@pytest.mark.parametrize("width", [1, 5, 63, 64, 100, 49152])
+def test_argmax_rows_is_torchs_argmax(width):
+    # the first index of each row's largest value, a NaN the largest (its first one): ties,
+    # NaNs, infinities, signed zeros, rows shorter than a vector and a SmolLM2 row
+    gen = torch.Generator().manual_seed(width)
+    cases = [torch.randn(3, width, generator=gen),
+             torch.randint(-2, 2, (3, width), generator=gen).float(),  # ties everywhere
+             torch.full((2, width), float("-inf")),
+             torch.zeros(2, width)]
+    cases[3][:, width // 2:] = -0.0
+    nan = torch.randn(4, width, generator=gen)
+    nan[0, width // 2] = float("nan")
+    nan[1][torch.rand(width, generator=gen) < 0.3] = float("nan")
+    nan[2, -1] = float("inf")
+    cases.append(nan)
+    for x in cases:
+        assert torch.equal(built.argmax_rows(x), x.argmax(dim=-1)), x

@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x + r (in place, or new) and its RMSNorm, in one call");
   m.def("rope", &rope, "rotary position embedding of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (torch.argmax's)");
   bind_decoder_stack(m);  // DecoderStack: every layer of a decoder in one call
   m.def("read_probe", &read_probe, "read every byte of a tensor (a read-rate probe); a checksum");
 }

@@ -32,5 +32,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                 const at::Tensor& w, double eps, bool in_place);
 at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_mul(at::Tensor gate, at::Tensor up);
+at::Tensor argmax_rows(at::Tensor x);
 void bind_decoder_stack(pybind11::module& m);
 int64_t read_probe(at::Tensor t);

@@ -119,3 +119,66 @@ at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
   });
   return out;
 }
+
+// The first index of a row's largest value, a NaN counting as larger than any number (the
+// first NaN, then): torch.argmax's answer. torch's CPU argmax reads a 49,152-value row at
+// ~5 GB/s (~40 us of a greedy decode step at batch 1); this one compares 16 lanes at a time,
+// once for the largest value, once for where it first is.
+static int64_t argmax_row(const float* r, int64_t n) {
+  int64_t p = 0;
+#ifdef __AVX512F__
+  if (n >= 64) {
+    __m512 a0 = _mm512_set1_ps(r[0]), a1 = a0, a2 = a0, a3 = a0;
+    __mmask16 nan = 0;
+    for (; p + 64 <= n; p += 64) {
+      const __m512 v0 = _mm512_loadu_ps(r + p), v1 = _mm512_loadu_ps(r + p + 16),
+                   v2 = _mm512_loadu_ps(r + p + 32), v3 = _mm512_loadu_ps(r + p + 48);
+      nan |= _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q) |
+             _mm512_cmp_ps_mask(v2, v2, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v3, v3, _CMP_UNORD_Q);
+      a0 = _mm512_max_ps(a0, v0);
+      a1 = _mm512_max_ps(a1, v1);
+      a2 = _mm512_max_ps(a2, v2);
+      a3 = _mm512_max_ps(a3, v3);
+    }
+    float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a0, a1), _mm512_max_ps(a2, a3)));
+    for (int64_t i = p; i < n; ++i) {
+      if (r[i] != r[i]) nan = 1;
+      m = std::max(m, r[i]);
+    }
+    if (nan) {  // rare: the first NaN, read one by one
+      for (int64_t i = 0; i < n; ++i)
+        if (r[i] != r[i]) return i;
+    }
+    const __m512 mv = _mm512_set1_ps(m);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(r + i), mv, _CMP_EQ_OQ);
+      if (hit) return i + __builtin_ctz(hit);
+    }
+    for (; i < n; ++i)
+      if (r[i] == m) return i;
+  }
+#endif
+  int64_t best = 0;
+  float m = r[0];
+  if (m != m) return 0;
+  for (p = 1; p < n; ++p) {
+    if (r[p] != r[p]) return p;
+    if (r[p] > m) { m = r[p]; best = p; }
+  }
+  return best;
+}
+
+// argmax over the last dimension of x [R, V] (fp32, contiguous, V >= 1): [R] int64
+at::Tensor argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) >= 1 &&
+              x.scalar_type() == at::kFloat, "argmax_rows: x [R, V >= 1], fp32, contiguous");
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = at::empty({R}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * V, V);
+  });
+  return out;
+}
