@@ -385,7 +385,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch | None, allowed: torch.Ten
         raise ValueError("sample: a batch of settings is needed where a row samples")
     # Gumbel-max: a draw from softmax(scaled). The noise is finite (hash_to_unit), so a token
     # that a filter or a mask removed stays at -inf + noise = -inf: it is never drawn
-    sampled = (shaped_logits(logits, batch) + gumbel_noise(batch, logits.shape[1])).argmax(-1)
+    sampled = argmax_rows(shaped_logits(logits, batch) + gumbel_noise(batch, logits.shape[1]))
     return torch.where(batch.temperature > 0, sampled, greedy_tokens)
 
 
