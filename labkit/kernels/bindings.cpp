@@ -2,7 +2,8 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fp32_linear", &fp32_linear, "y = x W^T, fp32 W, for a few rows: W read once, batch-invariant");
+  m.def("fp32_linear", &fp32_linear,
+        "y = x W^T, fp32 W, for a few rows: W read once, batch-invariant");
   m.attr("FP32_KERNEL_ROWS") = kFp32KernelRows;
   m.def("int8_linear", &int8_linear, "y = x W^T, W int8 codes with one scale per output row");
   m.def("int8_linear_dot", &int8_linear_dot,
@@ -21,7 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x + r (in place, or new) and its RMSNorm, in one call");
   m.def("rope", &rope, "rotary position embedding of each row");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("argmax_rows", &argmax_rows, "the first index of each row's largest value (torch.argmax's)");
+  m.def("argmax_rows", &argmax_rows,
+        "the first index of each row's largest value, a NaN the largest (torch.argmax's)");
   bind_decoder_stack(m);  // DecoderStack: every layer of a decoder in one call
   m.def("read_probe", &read_probe, "read every byte of a tensor (a read-rate probe); a checksum");
 }
