@@ -79,26 +79,25 @@ class AttentionMeta:
                             "AttentionMeta")
         b, seq_len = query_lens.shape[0], q.max_ctx
         kernels = cpu_kernels.usable_for_indices(block_tables) if q.decode else None
-        if kernels is not None:  # the same slots in one call of labkit's (read below)
+        if kernels is not None:  # the slots below in one call of labkit's (the same integers)
             write_slots, ctx_slots, valid_k = kernels.paged_decode_slots(
                 starts, block_tables, block_size, seq_len)
-            return AttentionMeta(write_slots, q.packed(q.pos), ctx_slots, q.ctx_lens,
-                                 query_lens, q.index, q.unpad_index, valid_k[:, None, :],
-                                 q.last_rows, q.host_query_lens, q.host_ctx_lens(host_starts))
-        pos = torch.arange(seq_len, device=dev)  # [L]
-        # token pos of a sequence lives in page table[pos // block_size] at offset pos % bs
-        page_idx = (pos // block_size).clamp(max=block_tables.shape[1] - 1).expand(b, seq_len)
-        ctx_slots = block_tables.gather(1, page_idx) * block_size + pos % block_size
-        valid_k = pos[None, :] < q.ctx_lens[:, None]  # [B, L]
-        ctx_slots = torch.where(valid_k, ctx_slots, 0)
-        write_slots = ctx_slots.gather(1, q.pos.clamp(max=seq_len - 1))  # [B, Tq]
+        else:
+            pos = torch.arange(seq_len, device=dev)  # [L]
+            # token pos of a sequence lives in page table[pos // block_size] at offset pos % bs
+            page_idx = (pos // block_size).clamp(max=block_tables.shape[1] - 1).expand(
+                b, seq_len)
+            ctx_slots = block_tables.gather(1, page_idx) * block_size + pos % block_size
+            valid_k = pos[None, :] < q.ctx_lens[:, None]  # [B, L]
+            ctx_slots = torch.where(valid_k, ctx_slots, 0)
+            write_slots = q.packed(ctx_slots.gather(1, q.pos.clamp(max=seq_len - 1)))  # [T]
         if q.decode:  # the one query is the last key: causal is valid_k itself
             mask = valid_k[:, None, :]
         else:
             mask = (pos[None, None, :] <= q.pos[:, :, None]) & valid_k[:, None, :]  # causal
         if q.tq > 1:  # a padded query row must see something, or softmax over nothing is NaN
             mask[:, :, 0] |= ~q.valid  # (its output is dropped)
-        return AttentionMeta(q.packed(write_slots), q.packed(q.pos), ctx_slots, q.ctx_lens,
+        return AttentionMeta(write_slots, q.packed(q.pos), ctx_slots, q.ctx_lens,
                              query_lens, q.index, q.unpad_index, mask, q.last_rows,
                              q.host_query_lens, q.host_ctx_lens(host_starts))
 

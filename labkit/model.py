@@ -163,35 +163,37 @@ _ROPE_CHUNK = 512  # positions per formula call while a table is built
 
 def _rope_rows(head_dim: int, theta: float, positions: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """rope_tables' rows for CPU positions, from a table that doubles when a position is past
-    its end. The table is built `_ROPE_CHUNK` positions per formula call: each call is small
-    enough to run on one thread in whole vectors, so every value is the formula's value for
-    that position, whatever the thread count."""
+    """rope_tables' rows for CPU positions, from `rope_table`, grown where a position is past
+    its end."""
+    table = rope_table(head_dim, theta)
+    try:  # (no max() of the positions first: that would cost a decode step as much again)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+    except IndexError:  # a position past the table's end, or a negative one
+        table = rope_table(head_dim, theta, positions)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+
+
+def rope_table(head_dim: int, theta: float, positions: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU table `rope_tables` takes its rows from: cos and signed sin [N, 1, head_dim] of
+    positions 0 .. N-1, N at least 2 * _ROPE_CHUNK, doubled until it holds every one of
+    `positions` (a negative one: ValueError). labkit's C++ decoder stack copies a step's rows
+    from it. It is built `_ROPE_CHUNK` positions per formula call: each call is small enough to
+    run on one thread in whole vectors, so every value is the formula's value for that
+    position, whatever the thread count."""
     key = (head_dim, float(theta))
     table = _ROPE_ROWS.get(key)
-    if table is not None:
-        try:  # (no max() of the positions first: that would cost a decode step as much again)
-            return table[0].index_select(0, positions), table[1].index_select(0, positions)
-        except IndexError:  # a position past the table's end, or a negative one
-            pass
-    if positions.numel() and int(positions.min()) < 0:
-        raise ValueError(f"rope_tables: negative position {int(positions.min())}")
-    need = int(positions.max()) + 1 if positions.numel() else 1
-    n = max(2 * _ROPE_CHUNK, 1 << (need - 1).bit_length())
-    parts = [_rope_formula(head_dim, theta, torch.arange(p, min(p + _ROPE_CHUNK, n)))
-             for p in range(0, n, _ROPE_CHUNK)]
-    table = _ROPE_ROWS[key] = (torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts]))
-    return table[0].index_select(0, positions), table[1].index_select(0, positions)
-
-
-def rope_table(head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU table `rope_tables` takes its rows from: cos and signed sin [N, 1, head_dim] of
-    positions 0 .. N-1, N at least 2 * _ROPE_CHUNK (labkit's C++ decoder stack copies a step's
-    rows from it; where a position is past its end, `rope_tables` grows it)."""
-    table = _ROPE_ROWS.get((head_dim, float(theta)))
-    if table is None:
-        _rope_rows(head_dim, theta, torch.zeros(1, dtype=torch.long))  # builds it
-        table = _ROPE_ROWS[(head_dim, float(theta))]
+    need = 1
+    if positions is not None and positions.numel():
+        if int(positions.min()) < 0:
+            raise ValueError(f"rope_tables: negative position {int(positions.min())}")
+        need = int(positions.max()) + 1
+    if table is None or table[0].shape[0] < need:
+        n = max(2 * _ROPE_CHUNK, 1 << (need - 1).bit_length())
+        parts = [_rope_formula(head_dim, theta, torch.arange(p, min(p + _ROPE_CHUNK, n)))
+                 for p in range(0, n, _ROPE_CHUNK)]
+        table = _ROPE_ROWS[key] = (torch.cat([c for c, _ in parts]),
+                                   torch.cat([s for _, s in parts]))
     return table
 
 
@@ -375,11 +377,10 @@ class LlamaModel(nn.Module):
         try:
             return whole(input_ids, *table, positions, logit_rows)
         except IndexError:
-            if positions.numel() == 0 or (int(positions.min()) >= 0
-                                          and int(positions.max()) < table[0].shape[0]):
+            grown = rope_table(head_dim, theta, positions)  # (a negative position: ValueError)
+            if grown[0].shape[0] == table[0].shape[0]:
                 raise  # not the table's (a logit row out of range)
-            rope_tables(head_dim, theta, positions)  # grows it (a negative position: ValueError)
-            return whole(input_ids, *rope_table(head_dim, theta), positions, logit_rows)
+            return whole(input_ids, *grown, positions, logit_rows)
 
     @torch.inference_mode()
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Attention,
